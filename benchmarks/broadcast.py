@@ -1,0 +1,215 @@
+"""Broadcast of S bytes to N workers on an emulated cluster: hoplite against
+Dask's default, in the same run.
+
+Methods (each on a fresh Dask cluster over the same emulated network):
+
+* ``dask``            one consumer task pinned to each non-source worker, no plugin
+                      (every consumer pulls a whole copy from the one holder);
+* ``dask-replicate``  ``client.replicate`` without the plugin (AMM on, the default);
+* ``hoplite``         the same pinned consumers with the plugin registered;
+* ``hoplite-replicate`` ``client.replicate`` with the plugin.
+
+Every time is reported as a ratio to the physical bound S/B (every receiver's
+NIC must carry S bytes) and to Dask's default measured in the same run, with
+the source host's egress bytes (from its NIC counters) and the CPU share of the
+Dask processes. Needs root and iproute2 (see ``emulation.py``).
+
+    sudo python benchmarks/broadcast.py --workers 8 --rate-mbit 1000 --sizes 1MiB 64MiB 256MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dask.utils import format_bytes, parse_bytes  # noqa: E402
+
+from benchmarks.emulation import EmulatedCluster  # noqa: E402
+
+METHODS = ("dask", "hoplite", "dask-replicate", "hoplite-replicate")
+
+
+@dataclass
+class Result:
+    op: str
+    n_workers: int
+    size: int
+    rate_mbit: float
+    seconds: float  # median over reps; inf when it did not finish
+    all_seconds: list[float]
+    bound_seconds: float
+    source_tx_bytes: int
+    cpu_percent: float
+    ok: bool
+    note: str = ""
+
+    @property
+    def ratio_bound(self) -> float:
+        return self.seconds / self.bound_seconds
+
+
+def make_array(nbytes: int, seed: int):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 2**63, nbytes // 8, dtype=np.int64)
+
+
+def fingerprint(x) -> tuple[int, int]:
+    return int(x.nbytes), int(x[:: max(1, x.size // 4096)].sum())
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: float) -> Result:
+    from distributed import Client, wait
+
+    import dask_hoplite
+
+    env = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    ec.start_dask(env=env)
+    bound = size / ec.rate_bytes_per_s
+    times: list[float] = []
+    tx: list[int] = []
+    cpu: list[float] = []
+    ok, note = True, ""
+    with Client(ec.scheduler_address, timeout=60) as client:
+        if method.startswith("hoplite"):
+            client.register_plugin(dask_hoplite.Hoplite())
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"],
+                         key=lambda a: int(a.split(".")[-1].split(":")[0]))
+        src, receivers = workers[0], workers[1:]
+        src_role = "w0"
+        pids = ec.pids()
+        for rep in range(reps):
+            x = client.submit(make_array, size, rep, workers=[src], pure=False)
+            wait(x)
+            expected = client.submit(fingerprint, x, workers=[src], pure=False).result()
+            tx0, _ = ec.nic_bytes(src_role)
+            c0 = cpu_seconds(pids)
+            t0 = time.perf_counter()
+            if method.endswith("replicate"):
+                try:
+                    client.replicate([x], callback_timeout=timeout)
+                except Exception as e:  # noqa: BLE001 - reported in the table
+                    ok, note = False, f"replicate did not finish in {timeout:.0f}s ({type(e).__name__})"
+                    times.append(float("inf"))
+                    break
+                dt = time.perf_counter() - t0
+                holders = client.who_has([x])[x.key]
+                if len(holders) < len(workers):
+                    note = f"{len(holders)}/{len(workers)} replicas left after return (AMM)"
+                got = [client.submit(fingerprint, x, workers=[w], pure=False,
+                                     allow_other_workers=False) for w in holders]
+            else:
+                got = [client.submit(fingerprint, x, workers=[w], pure=False,
+                                     allow_other_workers=False) for w in receivers]
+                wait(got)
+                dt = time.perf_counter() - t0
+            c1 = cpu_seconds(pids)
+            tx1, _ = ec.nic_bytes(src_role)
+            results = client.gather(got)
+            if any(tuple(r) != tuple(expected) for r in results):
+                ok, note = False, "WRONG RESULT"
+            times.append(dt)
+            tx.append(tx1 - tx0)
+            cpu.append((c1 - c0) / dt / (os.cpu_count() or 1) * 100)
+            del x, got
+            time.sleep(0.5)
+    ec.stop_dask()
+    seconds = statistics.median(times) if times else float("inf")
+    return Result(method, ec.n_workers, size, ec.rate_mbit, seconds, times, bound,
+                  int(statistics.median(tx)) if tx else 0,
+                  statistics.median(cpu) if cpu else 0.0, ok, note)
+
+
+def print_table(results: list[Result]) -> None:
+    base = {(r.size): r.seconds for r in results if r.op == "dask"}
+    hdr = (f"{'op':<18} {'N':>3} {'S':>9} {'rate':>9} {'seconds':>8} {'x S/B':>7} "
+           f"{'x dask':>7} {'src egress':>11} {'x S':>5} {'CPU%':>5}  note")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        vs = r.seconds / base[r.size] if r.size in base else float("nan")
+        print(f"{r.op:<18} {r.n_workers:>3} {format_bytes(r.size):>9} "
+              f"{r.rate_mbit:>6.0f}Mb/s {r.seconds:>8.3f} {r.ratio_bound:>7.2f} {vs:>7.2f} "
+              f"{format_bytes(r.source_tx_bytes):>11} {r.source_tx_bytes / r.size:>5.2f} "
+              f"{r.cpu_percent:>5.0f}  {r.note}{'' if r.ok else ' FAILED'}")
+
+
+def plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r.size for r in results})
+    ops = [m for m in METHODS if any(r.op == m for r in results)]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(ops)
+    for i, op in enumerate(ops):
+        ys = [next((min(r.ratio_bound, 20) for r in results if r.op == op and r.size == s), 0)
+              for s in sizes]
+        ax.bar([j + i * width for j in range(len(sizes))], ys, width, label=op)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="bound S/B")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))],
+                  [format_bytes(s) for s in sizes])
+    ax.set_ylabel("time / (S/B)  (capped at 20)")
+    r0 = results[0]
+    ax.set_title(f"Broadcast to {r0.n_workers} workers, {r0.rate_mbit:.0f} Mbit/s per host")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--rate-mbit", type=float, default=1000)
+    p.add_argument("--mtu", type=int, default=1500)
+    p.add_argument("--sizes", nargs="+", default=["1MiB", "64MiB", "256MiB"])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--timeout-bounds", type=float, default=15.0,
+                   help="give up on a replicate after this many times S/B (at least 20 s)")
+    p.add_argument("--out", default="benchmarks/results/broadcast")
+    args = p.parse_args(argv)
+
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    results: list[Result] = []
+    with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit, mtu=args.mtu) as ec:
+        ec.enter_namespace("sched")
+        for size in [parse_bytes(s) for s in args.sizes]:
+            timeout = max(20.0, args.timeout_bounds * size / ec.rate_bytes_per_s)
+            for method in args.methods:
+                r = measure(ec, method, size, args.reps, timeout)
+                print(f"# {method} {format_bytes(size)}: {r.all_seconds}", flush=True)
+                results.append(r)
+    print()
+    print_table(results)
+    with open(args.out + ".json", "w") as f:
+        json.dump([asdict(r) for r in results], f, indent=1)
+    plot(results, args.out + ".png")
+    print(f"\nwrote {args.out}.json and {args.out}.png")
+    return 0 if all(r.ok for r in results if r.op.startswith("hoplite")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The ``hoplite`` section of ``dask.config``.
+
+Defaults live in ``hoplite.yaml`` beside this module (every key is commented
+there) and are merged with :func:`dask.config.update_defaults` on import, so the
+user's own settings and ``DASK_HOPLITE__*`` environment variables win.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import dask.config
+import yaml
+from dask.utils import parse_bytes, parse_timedelta
+
+_DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "hoplite.yaml")
+
+with open(_DEFAULTS_PATH) as f:
+    _defaults = yaml.safe_load(f)
+
+dask.config.update_defaults(_defaults)
+
+
+def _bytes(key: str) -> int:
+    value = dask.config.get(f"hoplite.{key}")
+    n = parse_bytes(value) if isinstance(value, str) else int(value)
+    if n < 0:
+        raise ValueError(f"hoplite.{key} must be >= 0, got {value!r}")
+    return n
+
+
+def _seconds(key: str) -> float:
+    value = parse_timedelta(dask.config.get(f"hoplite.{key}"), default="seconds")
+    if value is None or value <= 0:
+        raise ValueError(f"hoplite.{key} must be a positive duration")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class HopliteConfig:
+    """A validated snapshot of the ``hoplite`` config section."""
+
+    min_bytes: int
+    block_bytes: int
+    min_block_bytes: int
+    min_blocks: int
+    window_bytes: int
+    stall_timeout: float
+    fanout: int
+    queue_timeout: float
+    protect_streams: bool
+
+    @classmethod
+    def from_dask_config(cls) -> HopliteConfig:
+        fanout = int(dask.config.get("hoplite.broadcast.fanout"))
+        if fanout < 1:
+            raise ValueError(f"hoplite.broadcast.fanout must be >= 1, got {fanout}")
+        block = _bytes("block-bytes")
+        min_block = _bytes("min-block-bytes")
+        if not 0 < min_block <= block:
+            raise ValueError(
+                "hoplite.min-block-bytes must be positive and at most hoplite.block-bytes "
+                f"(got {min_block} and {block})"
+            )
+        min_blocks = int(dask.config.get("hoplite.min-blocks"))
+        if min_blocks < 1:
+            raise ValueError(f"hoplite.min-blocks must be >= 1, got {min_blocks}")
+        window = _bytes("window-bytes")
+        if window < block:
+            raise ValueError(
+                f"hoplite.window-bytes ({window}) must be at least hoplite.block-bytes ({block})"
+            )
+        return cls(
+            min_bytes=_bytes("min-bytes"),
+            block_bytes=block,
+            min_block_bytes=min_block,
+            min_blocks=min_blocks,
+            window_bytes=window,
+            stall_timeout=_seconds("stall-timeout"),
+            fanout=fanout,
+            queue_timeout=_seconds("directory.queue-timeout"),
+            protect_streams=bool(dask.config.get("hoplite.amm.protect-streams")),
+        )
+
+    def block_size_for(self, nbytes: int) -> int:
+        """Block size for an object of ``nbytes``: at least ``min_blocks`` blocks,
+        clamped to [min_block_bytes, block_bytes]."""
+        return max(self.min_block_bytes, min(self.block_bytes, -(-nbytes // self.min_blocks)))

@@ -1,0 +1,285 @@
+"""The object directory: who holds which key, completely or partially, and who
+streams from whom.
+
+A sans-IO core in the style of ``distributed.worker_state_machine``: the
+scheduler plugin feeds it events (a worker asks for a sender, a transfer ended,
+a copy was released, a worker left, Dask forgot a key) and acts on the
+decisions it returns. Nothing here touches a socket or an event loop, so every
+rule is unit- and property-tested deterministically (``tests/test_directory.py``).
+
+The rules follow Hoplite (Zhuang et al., SIGCOMM 2021):
+
+* A receiver counts as a holder the moment it is assigned a sender, before it
+  has a byte: it serves later receivers from its partially filled buffer, so
+  receivers that arrive together form a pipelined chain and late receivers
+  attach wherever there is spare upload capacity.
+* A holder streams one key to at most ``fanout`` receivers at once.
+* Idle complete copies are preferred; then the partial copy closest to a
+  complete one (most bytes, by construction); a partial copy downstream of the
+  requester is never chosen (it depends on the requester: deadlock).
+* With every holder saturated, the request queues until capacity frees.
+
+Copies are keyed by worker address, not host: Dask often runs several workers
+per host.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+Key = Hashable
+
+
+@dataclass(frozen=True)
+class Assign:
+    """Decision: ``receiver`` streams ``key`` from ``sender``."""
+
+    key: Key
+    receiver: str
+    sender: str
+    transfer_id: int
+
+
+@dataclass(frozen=True)
+class Queued:
+    """Decision: every holder of ``key`` is saturated; ``receiver`` waits."""
+
+    key: Key
+    receiver: str
+
+
+@dataclass(frozen=True)
+class Missing:
+    """Decision: no copy of ``key`` is known (anymore); ``receiver`` must use
+    Dask's own path, which knows how to wait for or recompute the key."""
+
+    key: Key
+    receiver: str
+
+
+Decision = Assign | Queued | Missing
+
+
+@dataclass
+class Transfer:
+    transfer_id: int
+    key: Key
+    sender: str
+    receiver: str
+    depth: int  # 1 for a receiver of a complete copy, +1 per partial hop
+
+
+@dataclass
+class ObjectRecord:
+    """What the directory knows of one key."""
+
+    key: Key
+    #: Copies completed through hoplite (Dask's own holders are passed in with
+    #: every request, since Dask's state is the authority on them).
+    complete: set[str] = field(default_factory=set)
+    #: Dask's holders as of the latest request.
+    holders: set[str] = field(default_factory=set)
+    #: Active transfers by receiver address (one per receiver).
+    incoming: dict[str, Transfer] = field(default_factory=dict)
+    #: Active outgoing streams per sender address.
+    uploads: dict[str, int] = field(default_factory=dict)
+    #: Receivers waiting for capacity, in arrival order.
+    queue: deque[str] = field(default_factory=deque)
+    #: Highest number of concurrent streams any single holder served.
+    peak_uploads: int = 0
+    #: Every (sender, receiver) edge this key travelled, for inspection.
+    edges: list[tuple[str, str]] = field(default_factory=list)
+
+    def copies(self) -> set[str]:
+        return self.complete | self.holders
+
+
+class ObjectDirectory:
+    """Complete and partial copies per key, and sender assignment.
+
+    Parameters
+    ----------
+    fanout:
+        Concurrent outgoing streams of one key from one holder.
+    max_edges:
+        How many (sender, receiver) edges are remembered per key for
+        inspection; the oldest are dropped beyond it.
+    """
+
+    def __init__(self, fanout: int = 1, max_edges: int = 1024) -> None:
+        if fanout < 1:
+            raise ValueError(f"fanout must be >= 1, got {fanout}")
+        self.fanout = fanout
+        self.max_edges = max_edges
+        self.objects: dict[Key, ObjectRecord] = {}
+        self.transfers: dict[int, Transfer] = {}
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ events
+
+    def request(self, key: Key, receiver: str, holders: Iterable[str]) -> Decision:
+        """``receiver`` needs ``key``; ``holders`` are Dask's complete replicas."""
+        rec = self.objects.get(key)
+        if rec is None:
+            rec = self.objects[key] = ObjectRecord(key)
+        rec.holders = set(holders)
+        existing = rec.incoming.get(receiver)
+        if existing is not None:
+            # The receiver asks again while its transfer is active: it gave up
+            # on that stream (it would report failure first in the normal case).
+            self._end_transfer(rec, existing)
+        if receiver in rec.queue:
+            return Queued(key, receiver)
+        decision = self._assign(rec, receiver)
+        if isinstance(decision, Queued):
+            rec.queue.append(receiver)
+        elif isinstance(decision, Missing) and not rec.incoming and not rec.complete:
+            del self.objects[key]
+        return decision
+
+    def transfer_finished(self, transfer_id: int, ok: bool) -> list[Decision]:
+        """The transfer ended: ``ok`` means the receiver holds a complete copy."""
+        t = self.transfers.get(transfer_id)
+        if t is None:
+            return []
+        rec = self.objects[t.key]
+        self._end_transfer(rec, t)
+        if ok:
+            rec.complete.add(t.receiver)
+        return self._drain(rec)
+
+    def cancel_request(self, key: Key, receiver: str) -> None:
+        """A queued receiver stopped waiting (timeout, or it went away)."""
+        rec = self.objects.get(key)
+        if rec is not None and receiver in rec.queue:
+            rec.queue.remove(receiver)
+            self._maybe_drop(rec)
+
+    def copy_released(self, key: Key, address: str) -> list[Decision]:
+        """``address`` no longer holds ``key`` (Dask released it there)."""
+        rec = self.objects.get(key)
+        if rec is None:
+            return []
+        rec.complete.discard(address)
+        rec.holders.discard(address)
+        decisions = self._drain(rec)
+        self._maybe_drop(rec)
+        return decisions
+
+    def worker_removed(self, address: str) -> list[Decision]:
+        """A worker left the cluster: all its copies and streams are gone."""
+        decisions: list[Decision] = []
+        for rec in list(self.objects.values()):
+            rec.complete.discard(address)
+            rec.holders.discard(address)
+            if address in rec.queue:
+                rec.queue.remove(address)
+            for t in list(rec.incoming.values()):
+                if address in (t.sender, t.receiver):
+                    self._end_transfer(rec, t)
+            decisions.extend(self._drain(rec))
+            self._maybe_drop(rec)
+        return decisions
+
+    def forget(self, key: Key) -> list[Decision]:
+        """Dask released ``key`` everywhere: drop everything about it."""
+        rec = self.objects.pop(key, None)
+        if rec is None:
+            return []
+        for t in rec.incoming.values():
+            self.transfers.pop(t.transfer_id, None)
+        return [Missing(key, r) for r in rec.queue]
+
+    # --------------------------------------------------------------- queries
+
+    def pinned(self, key: Key) -> set[str]:
+        """Workers whose copy of ``key`` an active stream reads from or writes to."""
+        rec = self.objects.get(key)
+        if rec is None:
+            return set()
+        out = {a for a, n in rec.uploads.items() if n > 0}
+        out.update(rec.incoming)
+        return out
+
+    def upstream(self, key: Key, receiver: str) -> Iterator[str]:
+        """The chain of senders above ``receiver``, nearest first."""
+        rec = self.objects.get(key)
+        seen = {receiver}
+        while rec is not None:
+            t = rec.incoming.get(receiver)
+            if t is None or t.sender in seen:
+                return
+            yield t.sender
+            seen.add(t.sender)
+            receiver = t.sender
+
+    def __len__(self) -> int:
+        return len(self.objects)
+
+    # -------------------------------------------------------------- internals
+
+    def _assign(self, rec: ObjectRecord, receiver: str) -> Decision:
+        copies = rec.copies() - {receiver}
+        partial = {r: t for r, t in rec.incoming.items() if r != receiver}
+        if not copies and not partial:
+            return Missing(rec.key, receiver)
+
+        idle = [a for a in copies if rec.uploads.get(a, 0) < self.fanout]
+        if idle:
+            sender = min(idle, key=lambda a: (rec.uploads.get(a, 0), a))
+            return self._start(rec, sender, receiver, depth=1)
+
+        candidates = [
+            t
+            for r, t in partial.items()
+            if rec.uploads.get(r, 0) < self.fanout and not self._depends_on(rec, r, receiver)
+        ]
+        if candidates:
+            best = min(candidates, key=lambda t: (t.depth, t.transfer_id))
+            return self._start(rec, best.receiver, receiver, depth=best.depth + 1)
+        return Queued(rec.key, receiver)
+
+    def _depends_on(self, rec: ObjectRecord, node: str, receiver: str) -> bool:
+        """True if ``node`` streams (directly or through relays) from ``receiver``."""
+        return receiver in self.upstream(rec.key, node)
+
+    def _start(self, rec: ObjectRecord, sender: str, receiver: str, depth: int) -> Assign:
+        t = Transfer(next(self._ids), rec.key, sender, receiver, depth)
+        self.transfers[t.transfer_id] = t
+        rec.incoming[receiver] = t
+        n = rec.uploads.get(sender, 0) + 1
+        rec.uploads[sender] = n
+        rec.peak_uploads = max(rec.peak_uploads, n)
+        rec.edges.append((sender, receiver))
+        if len(rec.edges) > self.max_edges:
+            del rec.edges[: len(rec.edges) - self.max_edges]
+        return Assign(rec.key, receiver, sender, t.transfer_id)
+
+    def _end_transfer(self, rec: ObjectRecord, t: Transfer) -> None:
+        self.transfers.pop(t.transfer_id, None)
+        if rec.incoming.get(t.receiver) is t:
+            del rec.incoming[t.receiver]
+        n = rec.uploads.get(t.sender, 0) - 1
+        if n > 0:
+            rec.uploads[t.sender] = n
+        else:
+            rec.uploads.pop(t.sender, None)
+
+    def _drain(self, rec: ObjectRecord) -> list[Decision]:
+        """Serve queued receivers now that something changed."""
+        out: list[Decision] = []
+        while rec.queue:
+            receiver = rec.queue[0]
+            decision = self._assign(rec, receiver)
+            if isinstance(decision, Queued):
+                break
+            rec.queue.popleft()
+            out.append(decision)
+        return out
+
+    def _maybe_drop(self, rec: ObjectRecord) -> None:
+        if not (rec.complete or rec.holders or rec.incoming or rec.queue):
+            self.objects.pop(rec.key, None)

@@ -1,0 +1,117 @@
+"""The block-stream protocol: its messages, their validation, and the sender's
+flow-control window. Pure: the coroutines that move these messages over
+``distributed.comm`` live in :mod:`dask_hoplite.streams`.
+
+A stream, on one comm, after the receiver's request::
+
+    receiver -> sender   {"op": "hoplite_stream", "key", "offset", "protocol",
+                          "transfer_id", "block_bytes", "reply": False}
+    sender   -> receiver {"status": "OK", "header", "lengths"}      (the Layout)
+                       | {"status": "error", "message"}             (then nothing)
+    sender   -> receiver {"offset": o, "data": <block>}  ...   (in order, o ascending)
+    receiver -> sender   {"ack": progress}                 ...   (one per block)
+
+The sender keeps at most ``window_bytes`` sent but unacknowledged; the stream
+ends when the receiver acknowledged every byte. Resuming is a new request with
+the offset the receiver reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+#: Bumped on any incompatible change of the messages above or of the
+#: worker <-> scheduler directory messages. Peers with another value refuse.
+PROTOCOL_VERSION = 1
+
+STREAM_OP = "hoplite_stream"
+
+
+class ProtocolError(ValueError):
+    """A peer sent a message that does not follow the block-stream protocol."""
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    key: Hashable
+    offset: int
+    block_bytes: int
+    transfer_id: int | None
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any]) -> StreamRequest:
+        """Validate a request; raises :class:`ProtocolError` naming the fault."""
+        version = msg.get("protocol")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version mismatch: peer speaks {version!r}, this worker "
+                f"speaks {PROTOCOL_VERSION} (install the same dask-hoplite everywhere)"
+            )
+        if "key" not in msg:
+            raise ProtocolError("stream request without a 'key'")
+        offset = msg.get("offset")
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ProtocolError(f"offset must be an int >= 0, got {offset!r}")
+        block = msg.get("block_bytes")
+        if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
+            raise ProtocolError(f"block_bytes must be a positive int, got {block!r}")
+        tid = msg.get("transfer_id")
+        if tid is not None and not isinstance(tid, int):
+            raise ProtocolError(f"transfer_id must be an int or None, got {tid!r}")
+        return cls(msg["key"], offset, block, tid)
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "op": STREAM_OP,
+            "key": self.key,
+            "offset": self.offset,
+            "block_bytes": self.block_bytes,
+            "transfer_id": self.transfer_id,
+            "protocol": PROTOCOL_VERSION,
+            "reply": False,
+        }
+
+
+def error_reply(message: str) -> dict[str, Any]:
+    return {"status": "error", "message": message}
+
+
+def parse_block(msg: Any, expected_offset: int) -> tuple[int, Any]:
+    if not isinstance(msg, dict) or "offset" not in msg or "data" not in msg:
+        if isinstance(msg, dict) and msg.get("status") == "error":
+            raise ProtocolError(f"sender failed: {msg.get('message')}")
+        raise ProtocolError(f"expected a block message, got {type(msg).__name__}")
+    offset = msg["offset"]
+    if offset != expected_offset:
+        raise ProtocolError(f"block at offset {offset!r}, expected {expected_offset}")
+    return offset, msg["data"]
+
+
+def parse_ack(msg: Any) -> int:
+    if not isinstance(msg, dict) or not isinstance(msg.get("ack"), int):
+        raise ProtocolError(f"expected an ack message, got {msg!r}")
+    return int(msg["ack"])
+
+
+class SendWindow:
+    """Sender-side flow control: bytes in flight are bounded by ``window_bytes``."""
+
+    def __init__(self, start: int, window_bytes: int) -> None:
+        self.sent = start
+        self.acked = start
+        self.window_bytes = window_bytes
+
+    def can_send(self) -> bool:
+        return self.sent - self.acked < self.window_bytes
+
+    def on_sent(self, end: int) -> None:
+        self.sent = end
+
+    def on_ack(self, progress: int) -> None:
+        if not self.acked <= progress <= self.sent:
+            raise ProtocolError(
+                f"ack {progress} outside the window [{self.acked}, {self.sent}]"
+            )
+        self.acked = progress

@@ -1,0 +1,376 @@
+"""The scheduler part: the :class:`Hoplite` plugin, a thin shell around the
+sans-IO :class:`~dask_hoplite.directory.ObjectDirectory`.
+
+It adds the handlers workers use to ask for a sender and to report transfers,
+feeds Dask's own events (a key released, a worker removed) into the directory,
+keeps the Active Memory Manager away from replicas under an active stream, makes
+``client.replicate`` / ``scatter(broadcast=True)`` of large keys one pipelined
+step instead of generations, and registers the worker part on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import defaultdict
+from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from distributed import SchedulerPlugin
+from distributed.protocol.pickle import dumps
+
+from dask_hoplite._version import __version__
+from dask_hoplite.compat import check_distributed_version
+from dask_hoplite.config import HopliteConfig
+from dask_hoplite.directory import Assign, Decision, Missing, ObjectDirectory, Queued
+from dask_hoplite.protocol import PROTOCOL_VERSION
+from dask_hoplite.worker import PLUGIN_NAME as WORKER_PLUGIN_NAME
+from dask_hoplite.worker import HopliteWorker
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+    from distributed.scheduler import TaskState, WorkerState
+
+logger = logging.getLogger(__name__)
+
+Key = Hashable
+
+_HANDLERS = ("hoplite_request", "hoplite_info")
+_STREAM_HANDLERS = ("hoplite-finished", "hoplite-released")
+
+
+def _decision_msg(d: Decision, nbytes: int) -> dict[str, Any]:
+    if isinstance(d, Assign):
+        return {
+            "status": "assign",
+            "sender": d.sender,
+            "transfer_id": d.transfer_id,
+            "nbytes": nbytes,
+        }
+    return {"status": "missing"}
+
+
+class Hoplite(SchedulerPlugin):
+    """dask-hoplite: pipelined, directory-driven transfers of large keys.
+
+    Register it once per cluster::
+
+        client.register_plugin(dask_hoplite.Hoplite())
+
+    or start the scheduler with ``--preload dask_hoplite``. Workers get their
+    part from the scheduler, including workers that join later or restart.
+    Registering again replaces the running instance and keeps its directory.
+    Settings come from the ``hoplite`` section of ``dask.config`` on the
+    scheduler and on each worker (see ``hoplite.yaml``).
+    """
+
+    name = "hoplite"
+
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
+        self.directory: ObjectDirectory | None = None
+        self._waiting: dict[tuple[Key, str], asyncio.Future[Decision]] = {}
+        self._replicating: dict[Key, set[str]] = defaultdict(set)
+        self._originals: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self, scheduler: Scheduler) -> None:
+        check_distributed_version()
+        self.config = HopliteConfig.from_dask_config()
+        previous = scheduler.plugins.get(self.name)
+        if isinstance(previous, Hoplite) and previous is not self and previous.scheduler:
+            # Registered again: take over the running directory, then unhook the
+            # old instance so no handler is installed twice.
+            self.directory = previous.directory
+            self._waiting = previous._waiting
+            self._replicating = previous._replicating
+            previous._uninstall()
+        if self.directory is None:
+            self.directory = ObjectDirectory(fanout=self.config.fanout)
+        self.directory.fanout = self.config.fanout
+        self.scheduler = scheduler
+        self._install(scheduler)
+        responses = await scheduler.register_worker_plugin(
+            None,
+            dumps(HopliteWorker(__version__)),
+            name=WORKER_PLUGIN_NAME,
+            idempotent=False,
+        )
+        failed = {a: r for a, r in responses.items() if r.get("status") != "OK"}
+        if failed:
+            logger.error("hoplite worker part failed to start on %s", failed)
+            raise RuntimeError(
+                "dask-hoplite's worker part failed to start on "
+                + ", ".join(f"{a}: {r.get('exception_text') or r}" for a, r in failed.items())
+            )
+        logger.info("hoplite %s installed (fanout %d)", __version__, self.config.fanout)
+
+    async def close(self) -> None:
+        self._uninstall()
+
+    def _install(self, s: Scheduler) -> None:
+        s.handlers["hoplite_request"] = self.handle_request
+        s.handlers["hoplite_info"] = self.handle_info
+        s.stream_handlers["hoplite-finished"] = self.handle_finished
+        s.stream_handlers["hoplite-released"] = self.handle_released
+
+        self._originals["replicate"] = s.handlers["replicate"]
+        s.handlers["replicate"] = self.replicate
+        s.replicate = self.replicate  # type: ignore[method-assign]  # scatter(broadcast=True)
+
+        amm = s.extensions.get("amm")
+        if amm is not None and self.config.protect_streams:
+            self._originals["amm"] = amm
+            self._originals["_find_dropper"] = amm._find_dropper
+            amm._find_dropper = self._find_dropper
+
+    def _uninstall(self) -> None:
+        s = self.scheduler
+        if s is None:
+            return
+        for name in _HANDLERS:
+            s.handlers.pop(name, None)
+        for name in _STREAM_HANDLERS:
+            s.stream_handlers.pop(name, None)
+        if "replicate" in self._originals:
+            s.handlers["replicate"] = self._originals.pop("replicate")
+            s.__dict__.pop("replicate", None)
+        amm = self._originals.pop("amm", None)
+        if amm is not None:
+            amm._find_dropper = self._originals.pop("_find_dropper")
+        self.scheduler = None
+
+    # ------------------------------------------------- Dask's own events
+
+    def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish in ("released", "forgotten", "erred") and self.directory is not None:
+            self._act(self.directory.forget(key))
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        if self.directory is not None:
+            self._act(self.directory.worker_removed(worker))
+
+    # ---------------------------------------------------- worker handlers
+
+    async def handle_request(
+        self, key: Key, receiver: str, protocol: int | None = None
+    ) -> dict[str, Any]:
+        """RPC ``hoplite_request``: a worker needs ``key``; whom to stream from."""
+        assert self.scheduler is not None and self.directory is not None
+        if protocol != PROTOCOL_VERSION:
+            return {
+                "status": "error",
+                "message": f"protocol {protocol!r} != scheduler's {PROTOCOL_VERSION}",
+            }
+        ts = self.scheduler.tasks.get(key)
+        if ts is None or ts.state != "memory":
+            return {"status": "missing"}
+        nbytes = ts.nbytes or 0
+        if nbytes < self.config.min_bytes:
+            return {"status": "small"}
+        holders = [ws.address for ws in ts.who_has or ()]
+        decision = self.directory.request(key, receiver, holders)
+        if isinstance(decision, Queued):
+            fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+            self._waiting[(key, receiver)] = fut
+            try:
+                decision = await asyncio.wait_for(fut, self.config.queue_timeout)
+            except asyncio.TimeoutError:
+                logger.info("request of %s for %r timed out in the queue", receiver, key)
+                if self.directory is not None:
+                    self.directory.cancel_request(key, receiver)
+                return {"status": "missing"}
+            finally:
+                if self._waiting.get((key, receiver)) is fut:
+                    del self._waiting[(key, receiver)]
+        return _decision_msg(decision, nbytes)
+
+    def handle_finished(
+        self, transfer_id: int, ok: bool, worker: str | None = None, **kwargs: Any
+    ) -> None:
+        """Stream ``hoplite-finished``: a receiver's transfer ended."""
+        if self.directory is not None:
+            self._act(self.directory.transfer_finished(transfer_id, bool(ok)))
+
+    def handle_released(self, key: Key, worker: str | None = None, **kwargs: Any) -> None:
+        """Stream ``hoplite-released``: ``worker`` dropped its buffer of ``key``."""
+        if self.directory is not None and worker is not None:
+            self._act(self.directory.copy_released(key, worker))
+
+    def handle_info(self) -> dict[str, Any]:
+        """RPC ``hoplite_info``: the directory's state, for tests and dashboards."""
+        d = self.directory
+        assert d is not None
+        return {
+            "version": __version__,
+            "fanout": d.fanout,
+            "objects": len(d),
+            "transfers": len(d.transfers),
+            "waiting": len(self._waiting),
+            "keys": [
+                {
+                    "key": rec.key,
+                    "complete": sorted(rec.complete),
+                    "partial": sorted(rec.incoming),
+                    "peak_uploads": rec.peak_uploads,
+                    "edges": [list(e) for e in rec.edges],
+                }
+                for rec in d.objects.values()
+            ],
+        }
+
+    def _act(self, decisions: Iterable[Decision]) -> None:
+        for d in decisions:
+            fut = self._waiting.get((d.key, d.receiver))
+            if fut is not None and not fut.done():
+                fut.set_result(d)
+            elif isinstance(d, Assign) and self.directory is not None:
+                # Nobody waits any more: give the slot back.
+                self._act(self.directory.transfer_finished(d.transfer_id, False))
+            elif not isinstance(d, Missing):
+                logger.debug("unclaimed directory decision %s", d)
+
+    # -------------------------------------------------------- AMM cooperation
+
+    def _pinned(self, ts: TaskState) -> set[WorkerState]:
+        assert self.scheduler is not None and self.directory is not None
+        addrs = self.directory.pinned(ts.key) | self._replicating.get(ts.key, set())
+        workers = self.scheduler.workers
+        return {workers[a] for a in addrs if a in workers}
+
+    def _find_dropper(
+        self,
+        ts: TaskState,
+        candidates: set[WorkerState] | None,
+        pending_drop: set[WorkerState],
+    ) -> WorkerState | None:
+        """The AMM's ``_find_dropper``, minus workers under an active stream."""
+        pinned = self._pinned(ts)
+        if pinned:
+            candidates = (set(ts.who_has or ()) if candidates is None else candidates) - pinned
+            if not candidates:
+                return None
+        return self._originals["_find_dropper"](ts, candidates, pending_drop)
+
+    # ------------------------------------------------------------ replicate
+
+    async def replicate(
+        self,
+        keys: list[Key],
+        n: int | None = None,
+        workers: Iterable[str] | None = None,
+        branching_factor: int = 2,
+        delete: bool = True,
+        stimulus_id: str | None = None,
+    ) -> dict[str, Any] | None:
+        """``Scheduler.replicate`` with large keys copied in one pipelined step.
+
+        Dask copies in generations (each holder feeds ``branching_factor`` new
+        ones, whole objects, then the next generation starts). With hoplite all
+        missing replicas are requested at once and the directory chains them.
+        Small keys keep Dask's own algorithm.
+        """
+        s = self.scheduler
+        assert s is not None
+        orig = self._originals["replicate"]
+        large = [k for k in keys if k in s.tasks and (s.tasks[k].nbytes or 0) >= self.config.min_bytes]
+        small = [k for k in keys if k not in set(large)]
+        result = None
+        if small:
+            result = await orig(
+                keys=small,
+                n=n,
+                workers=workers,
+                branching_factor=branching_factor,
+                delete=delete,
+                stimulus_id=stimulus_id,
+            )
+        if large:
+            failed = await self._replicate_large(large, n, workers, delete, stimulus_id)
+            if failed:
+                prev = result["keys"] if result else []
+                result = {"status": "partial-fail", "keys": list(prev) + failed}
+        return result
+
+    async def _replicate_large(
+        self,
+        keys: list[Key],
+        n: int | None,
+        workers: Iterable[str] | None,
+        delete: bool,
+        stimulus_id: str | None,
+        max_rounds: int = 3,
+    ) -> list[Key]:
+        s = self.scheduler
+        assert s is not None
+        from distributed.core import Status
+
+        stimulus_id = stimulus_id or "hoplite-replicate"
+        async with s._replica_lock(("replicate", object())):
+            if workers is not None:
+                pool = {s.workers[w] for w in s.workers_list(list(workers))}
+                pool = {ws for ws in pool if ws.status == Status.running}
+            else:
+                pool = set(s.running)
+            n = len(pool) if n is None else min(n, len(pool))
+            if n == 0:
+                raise ValueError("Can not use replicate to delete data")
+            tasks = [s.tasks[k] for k in keys]
+            lost = [ts.key for ts in tasks if not ts.who_has]
+            if lost:
+                return lost
+
+            if delete:
+                drop: defaultdict[WorkerState, list[Key]] = defaultdict(list)
+                for ts in tasks:
+                    have = tuple(ts.who_has or ()) if ts.who_has else ()
+                    have = tuple(ws for ws in have if ws in pool)
+                    if len(have) > n:
+                        for ws in random.sample(have, len(have) - n):
+                            drop[ws].append(ts.key)
+                await asyncio.gather(
+                    *(s.delete_worker_data(ws.address, ks, stimulus_id) for ws, ks in drop.items())
+                )
+
+            # Replicas this call achieved: later AMM drops do not undo them.
+            achieved = {ts.key: {ws for ws in (ts.who_has or ()) if ws in pool} for ts in tasks}
+            for _ in range(max_rounds):
+                gathers: defaultdict[str, dict[Key, list[str]]] = defaultdict(dict)
+                for ts in tasks:
+                    if ts.state != "memory" or not ts.who_has:
+                        continue
+                    missing = n - len(achieved[ts.key])
+                    if missing <= 0:
+                        continue
+                    free = [ws for ws in pool - achieved[ts.key] - set(ts.who_has)]
+                    holders = [ws.address for ws in ts.who_has]
+                    for ws in random.sample(free, min(missing, len(free))):
+                        gathers[ws.address][ts.key] = holders
+                if not gathers:
+                    break
+                for addr, who_has in gathers.items():
+                    for k, holders in who_has.items():
+                        self._replicating[k].update(holders)
+                        self._replicating[k].add(addr)
+                try:
+                    failed_per_worker = await asyncio.gather(
+                        *(s.gather_on_worker(addr, wh) for addr, wh in gathers.items())
+                    )
+                finally:
+                    for who_has in gathers.values():
+                        for k in who_has:
+                            self._replicating.pop(k, None)
+                for (addr, who_has), failed in zip(gathers.items(), failed_per_worker, strict=True):
+                    ws = s.workers.get(addr)
+                    for k in who_has:
+                        if k not in failed and ws is not None:
+                            achieved[k].add(ws)
+            return [ts.key for ts in tasks if len(achieved[ts.key]) < n and ts.state == "memory"]

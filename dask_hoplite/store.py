@@ -1,0 +1,269 @@
+"""The block store: per key, the serialised bytes of an object and how many of
+them are valid (its *progress*), with waiters woken as blocks land.
+
+Pure bookkeeping, no event loop: a waiter is a plain callable that the buffer
+calls when its threshold is reached or the buffer fails; the worker plugin
+passes ``future.set_result``-style callbacks. A buffer is either
+
+* a *source* buffer: the frames Dask's serialisation produced for an object in
+  ``worker.data`` (zero-copy views of a numpy array), complete from the start;
+* a *receiving* buffer: one contiguous allocation that blocks are written into
+  in order, readable up to its progress while it fills (this is what lets a
+  relay forward blocks before the whole object arrived).
+
+The object's byte layout (:class:`Layout`) is the concatenation of its frames;
+a block never spans two frames, so every block is one contiguous view.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+Key = Hashable
+
+
+class BufferState(enum.Enum):
+    PENDING = "pending"  # announced, layout not known yet
+    RECEIVING = "receiving"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Serialisation header and frame sizes of one object."""
+
+    header: dict[str, Any]
+    lengths: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lengths)
+
+    def frame_bounds(self) -> list[tuple[int, int]]:
+        out, start = [], 0
+        for n in self.lengths:
+            out.append((start, start + n))
+            start += n
+        return out
+
+    def block_end(self, offset: int, block_bytes: int) -> int:
+        """End of the block starting at ``offset``: at most ``block_bytes`` long
+        and never past the end of the frame that contains ``offset``."""
+        for start, stop in self.frame_bounds():
+            if start <= offset < stop:
+                return min(stop, offset + block_bytes)
+        raise ValueError(f"offset {offset} is outside the object (size {self.nbytes})")
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"header": self.header, "lengths": list(self.lengths)}
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any]) -> Layout:
+        header, lengths = msg.get("header"), msg.get("lengths")
+        if not isinstance(header, dict) or not isinstance(lengths, (list, tuple)):
+            raise ValueError("malformed layout: needs a header dict and a list of lengths")
+        if not all(isinstance(n, int) and n >= 0 for n in lengths):
+            raise ValueError(f"malformed layout: frame lengths must be ints >= 0: {lengths!r}")
+        return cls(header, tuple(lengths))
+
+
+Waiter = Callable[["ObjectBuffer"], None]
+
+
+def as_byte_view(frame: Any) -> memoryview:
+    """A flat, C-contiguous byte view of a serialisation frame (copying only
+    when the frame is not contiguous)."""
+    mv = memoryview(frame)
+    if not mv.c_contiguous:
+        mv = memoryview(mv.tobytes())
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+class ObjectBuffer:
+    """Serialised bytes of one object and their progress."""
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+        self.state = BufferState.PENDING
+        self.layout: Layout | None = None
+        self.progress = 0
+        self.error: BaseException | None = None
+        self._frames: list[memoryview] = []
+        self._array: np.ndarray | None = None
+        self._waiters: list[tuple[int, Waiter]] = []
+
+    # -------------------------------------------------------------- creation
+
+    @classmethod
+    def from_frames(cls, key: Key, header: dict[str, Any], frames: Sequence[Any]) -> ObjectBuffer:
+        """A complete source buffer over existing frames (no copy)."""
+        buf = cls(key)
+        views = [as_byte_view(f) for f in frames]
+        buf.layout = Layout(header, tuple(v.nbytes for v in views))
+        buf._frames = views
+        buf.progress = buf.layout.nbytes
+        buf.state = BufferState.COMPLETE
+        return buf
+
+    def allocate(self, layout: Layout) -> None:
+        """Receiving side: the sender told us the layout; allocate once."""
+        if self.layout is not None:
+            if self.layout != layout:
+                raise ValueError(
+                    f"layout of {self.key!r} changed between senders "
+                    f"({self.layout.lengths} != {layout.lengths})"
+                )
+            return
+        self.layout = layout
+        self._array = np.empty(layout.nbytes, dtype=np.uint8)
+        mv = memoryview(self._array)
+        self._frames = [mv[a:b] for a, b in layout.frame_bounds()]
+        self.state = BufferState.RECEIVING
+        if layout.nbytes == 0:
+            self._complete()
+        else:
+            self._wake()  # waiters for the layout itself (threshold 0)
+
+    # -------------------------------------------------------------- writing
+
+    def write(self, offset: int, data: Any) -> int:
+        """Write a block received at ``offset``; returns the new progress.
+
+        Blocks arrive in order; a block may overlap bytes we already have (a
+        resumed stream) but must not leave a gap.
+        """
+        if self.state is not BufferState.RECEIVING or self._array is None:
+            raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
+        mv = as_byte_view(data)
+        end = offset + mv.nbytes
+        if offset < 0 or offset > self.progress or end > self._array.size:
+            raise ValueError(
+                f"block [{offset}, {end}) of {self.key!r} does not continue progress "
+                f"{self.progress} within size {self._array.size}"
+            )
+        self._array[offset:end] = np.frombuffer(mv, dtype=np.uint8)
+        if end > self.progress:
+            self.progress = end
+            if end == self._array.size:
+                self._complete()
+            else:
+                self._wake()
+        return self.progress
+
+    def fail(self, error: BaseException) -> None:
+        if self.state is BufferState.COMPLETE:
+            return
+        self.state = BufferState.FAILED
+        self.error = error
+        waiters, self._waiters = self._waiters, []
+        for _, cb in waiters:
+            cb(self)
+
+    def _complete(self) -> None:
+        self.state = BufferState.COMPLETE
+        self._wake()
+
+    # -------------------------------------------------------------- reading
+
+    def when(self, threshold: int, callback: Waiter) -> None:
+        """Call ``callback(self)`` once progress > ``threshold`` (or the layout
+        is known, for threshold 0 on an empty object), or the buffer completes
+        or fails. Fires at once if that already holds."""
+        if self._satisfied(threshold):
+            callback(self)
+        else:
+            self._waiters.append((threshold, callback))
+
+    def _satisfied(self, threshold: int) -> bool:
+        if self.state in (BufferState.COMPLETE, BufferState.FAILED):
+            return True
+        if self.layout is None:
+            return False
+        return self.progress > threshold or (threshold == 0 and self.layout.nbytes == 0)
+
+    def _wake(self) -> None:
+        keep, fire = [], []
+        for threshold, cb in self._waiters:
+            (fire if self._satisfied(threshold) else keep).append((threshold, cb))
+        self._waiters = keep
+        for _, cb in fire:
+            cb(self)
+
+    def view(self, start: int, stop: int) -> memoryview:
+        """Bytes [start, stop), which must lie within one frame and be valid."""
+        if self.layout is None or stop > self.progress or start > stop:
+            raise ValueError(f"bytes [{start}, {stop}) of {self.key!r} are not available")
+        for (a, b), frame in zip(self.layout.frame_bounds(), self._frames, strict=True):
+            if a <= start < b or (start == stop == a):
+                if stop > b:
+                    raise ValueError(f"[{start}, {stop}) spans frames")
+                return frame[start - a : stop - a]
+        raise ValueError(f"bytes [{start}, {stop}) of {self.key!r} are outside the object")
+
+    def frames(self) -> list[memoryview]:
+        if self.state is not BufferState.COMPLETE:
+            raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not complete")
+        return list(self._frames)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes if self.layout is not None else 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<ObjectBuffer {self.key!r} {self.state.value} {self.progress}/"
+            f"{self.nbytes if self.layout else '?'}>"
+        )
+
+
+class BlockStore:
+    """The buffers of one worker, by key."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[Key, ObjectBuffer] = {}
+
+    def get(self, key: Key) -> ObjectBuffer | None:
+        return self.buffers.get(key)
+
+    def announce(self, key: Key) -> ObjectBuffer:
+        """Create the receiving buffer for ``key`` before asking for a sender,
+        so that peers assigned to stream from us find it at once."""
+        buf = self.buffers.get(key)
+        if buf is None or buf.state is BufferState.FAILED:
+            buf = self.buffers[key] = ObjectBuffer(key)
+        return buf
+
+    def add_source(self, key: Key, header: dict[str, Any], frames: Sequence[Any]) -> ObjectBuffer:
+        buf = self.buffers.get(key)
+        if buf is not None and buf.state is not BufferState.FAILED:
+            return buf
+        buf = self.buffers[key] = ObjectBuffer.from_frames(key, header, frames)
+        return buf
+
+    def release(self, key: Key) -> ObjectBuffer | None:
+        """Forget ``key``; readers that still hold the buffer keep it alive
+        until they finish, then the memory goes."""
+        buf = self.buffers.pop(key, None)
+        if buf is not None and buf.state is not BufferState.COMPLETE:
+            buf.fail(KeyError(f"{key!r} was released on this worker"))
+        return buf
+
+    def discard_if(self, key: Key, buf: ObjectBuffer) -> None:
+        if self.buffers.get(key) is buf:
+            del self.buffers[key]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+    def __len__(self) -> int:
+        return len(self.buffers)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.buffers

@@ -1,0 +1,332 @@
+"""The worker part: a block store, the peer handler that streams a key out of
+it, and the takeover of Dask's fetch path for large keys.
+
+Installed by the scheduler part on every worker (also on workers that join
+later or restart). It replaces, on the worker *instance*:
+
+* ``worker.gather_dep``: keys of at least ``hoplite.min-bytes`` are fetched as
+  block streams from the sender the directory assigns; the rest, and anything
+  hoplite cannot fetch, go to Dask's original method. The returned event obeys
+  the rules of Dask's state machine (same ``worker`` and ``total_nbytes`` as the
+  instruction, keys left out of ``data`` mean "the peer lacks it", no exception
+  escapes).
+* ``worker.handlers["gather"]``: the endpoint of ``client.replicate`` and
+  ``client.scatter(..., broadcast=True)``, likewise.
+
+and adds the ``hoplite_stream`` handler. ``teardown`` restores all of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection, Hashable
+from time import time
+from typing import Any
+
+from distributed import WorkerPlugin
+from distributed.comm.core import Comm, CommClosedError
+from distributed.core import Status
+from distributed.protocol import deserialize, serialize
+from distributed.utils import offload
+from distributed.worker import WORKER_ANY_RUNNING, Worker
+from distributed.worker_state_machine import GatherDepSuccessEvent, StateMachineEvent
+
+from dask_hoplite._version import __version__
+from dask_hoplite.config import HopliteConfig
+from dask_hoplite.protocol import (
+    PROTOCOL_VERSION,
+    STREAM_OP,
+    ProtocolError,
+    StreamRequest,
+    error_reply,
+)
+from dask_hoplite.store import BlockStore, BufferState, ObjectBuffer
+from dask_hoplite.streams import receive_stream, send_stream, wait_progress
+
+logger = logging.getLogger(__name__)
+
+Key = Hashable
+
+PLUGIN_NAME = "hoplite-worker"
+
+
+class VersionMismatch(RuntimeError):
+    """The worker's dask-hoplite differs from the scheduler's."""
+
+
+class HopliteWorker(WorkerPlugin):
+    """Worker half of dask-hoplite. Users do not create this themselves: the
+    scheduler plugin :class:`dask_hoplite.Hoplite` registers it.
+
+    Parameters
+    ----------
+    scheduler_version:
+        The dask-hoplite version of the scheduler that sent this plugin; a
+        worker with another version refuses to start the plugin.
+    """
+
+    name = PLUGIN_NAME
+
+    def __init__(self, scheduler_version: str = __version__) -> None:
+        self.scheduler_version = scheduler_version
+        self.worker: Worker | None = None
+        self.store = BlockStore()
+        self.stats: dict[str, int] = {}
+        self._orig_gather_dep: Any = None
+        self._orig_gather: Any = None
+        self._fetching: dict[Key, asyncio.Future[None]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"scheduler_version": self.scheduler_version}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["scheduler_version"])  # type: ignore[misc]
+
+    # ------------------------------------------------------------ lifecycle
+
+    def setup(self, worker: Worker) -> None:
+        if self.scheduler_version != __version__:
+            raise VersionMismatch(
+                f"dask-hoplite {__version__} on worker {worker.address} does not match "
+                f"dask-hoplite {self.scheduler_version} on the scheduler; install the same "
+                "version everywhere. This worker keeps using Dask's own transfers."
+            )
+        self.config = HopliteConfig.from_dask_config()
+        self.worker = worker
+        self._orig_gather_dep = worker.gather_dep
+        worker.gather_dep = self.gather_dep  # type: ignore[method-assign]
+        self._orig_gather = worker.handlers["gather"]
+        worker.handlers["gather"] = self.handle_gather
+        worker.handlers[STREAM_OP] = self.handle_stream
+        worker.handlers["hoplite_worker_info"] = self.info
+        logger.debug("hoplite worker part installed on %s", worker.address)
+
+    def teardown(self, worker: Worker) -> None:
+        if self.worker is None:
+            return
+        if worker.__dict__.get("gather_dep") == self.gather_dep:
+            del worker.gather_dep
+        if worker.handlers.get("gather") == self.handle_gather:
+            worker.handlers["gather"] = self._orig_gather
+        if worker.handlers.get(STREAM_OP) == self.handle_stream:
+            del worker.handlers[STREAM_OP]
+        if worker.handlers.get("hoplite_worker_info") == self.info:
+            del worker.handlers["hoplite_worker_info"]
+        for key in list(self.store.buffers):
+            self.store.release(key)
+        self.worker = None
+
+    def transition(self, key: Key, start: str, finish: str, **kwargs: Any) -> None:
+        """Drop our buffer when Dask lets go of the key on this worker."""
+        if finish in ("released", "forgotten") and key in self.store:
+            self.store.release(key)
+            self._send({"op": "hoplite-released", "key": key})
+
+    # ------------------------------------------------------------- helpers
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        w = self.worker
+        if w is not None and w.batched_stream is not None and not w.batched_stream.comm.closed():
+            w.batched_send(msg)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.stats[name] = self.stats.get(name, 0) + n
+
+    def _is_large(self, key: Key) -> bool:
+        assert self.worker is not None
+        ts = self.worker.state.tasks.get(key)
+        return ts is not None and (ts.nbytes or 0) >= self.config.min_bytes
+
+    async def _deserialize(self, buf: ObjectBuffer) -> Any:
+        assert buf.layout is not None
+        return await offload(deserialize, buf.layout.header, buf.frames())
+
+    # ---------------------------------------------------------- receiving
+
+    async def fetch(self, key: Key) -> tuple[bool, Any]:
+        """Fetch ``key`` through hoplite. Returns ``(True, value)``, or
+        ``(False, None)`` when the caller should use Dask's own path (the key
+        is small, unknown to the directory, or the stream failed)."""
+        assert self.worker is not None
+        while key in self._fetching:  # another local caller is fetching it
+            await self._fetching[key]
+        buf = self.store.get(key)
+        if buf is not None and buf.state is BufferState.COMPLETE:
+            self._count("local-hits")
+            return True, await self._deserialize(buf)
+
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._fetching[key] = done
+        try:
+            return await self._fetch(key)
+        finally:
+            del self._fetching[key]
+            done.set_result(None)
+
+    async def _fetch(self, key: Key) -> tuple[bool, Any]:
+        w = self.worker
+        assert w is not None
+        buf = self.store.announce(key)
+        try:
+            reply = await w.scheduler.hoplite_request(
+                key=key, receiver=w.address, protocol=PROTOCOL_VERSION
+            )
+        except Exception as e:
+            logger.warning("hoplite directory unreachable for %r (%s); using Dask's path", key, e)
+            self.store.discard_if(key, buf)
+            return False, None
+        if reply.get("status") != "assign":
+            self.store.discard_if(key, buf)
+            if reply.get("status") == "error":
+                logger.warning("hoplite directory refused %r: %s", key, reply.get("message"))
+            return False, None
+
+        sender, tid = reply["sender"], reply["transfer_id"]
+        block = self.config.block_size_for(int(reply.get("nbytes") or 0))
+        req = StreamRequest(key, 0, block, tid)
+        ok = False
+        comm: Comm | None = None
+        try:
+            comm = await w.rpc.connect(sender)
+            n = await receive_stream(comm, buf, req, stall_timeout=self.config.stall_timeout)
+            w.rpc.reuse(sender, comm)
+            comm = None
+            value = await self._deserialize(buf)
+            ok = True
+            self._count("bytes-received", n)
+            self._count("keys-received")
+            return True, value
+        except Exception as e:
+            logger.warning(
+                "hoplite stream of %r from %s failed (%s: %s); falling back to Dask's path",
+                key, sender, type(e).__name__, e,
+            )
+            self._count("streams-failed")
+            buf.fail(e)
+            self.store.discard_if(key, buf)
+            return False, None
+        finally:
+            if comm is not None:
+                comm.abort()
+            self._send({"op": "hoplite-finished", "transfer_id": tid, "ok": ok, "key": key})
+
+    async def gather_dep(
+        self,
+        worker: str,
+        to_gather: Collection[Key],
+        total_nbytes: int,
+        *,
+        stimulus_id: str,
+    ) -> StateMachineEvent:
+        """Dask's ``Worker.gather_dep`` with large keys fetched through hoplite."""
+        w = self.worker
+        orig = self._orig_gather_dep
+        large = [k for k in to_gather if self._is_large(k)] if w is not None else []
+        if not large or w is None or w.status not in WORKER_ANY_RUNNING:
+            return await orig(worker, to_gather, total_nbytes, stimulus_id=stimulus_id)
+        results = await asyncio.gather(*(self.fetch(k) for k in large), return_exceptions=True)
+        data: dict[Key, Any] = {}
+        for key, res in zip(large, results, strict=True):
+            if isinstance(res, BaseException):
+                logger.error("hoplite fetch of %r raised", key, exc_info=res)
+            elif res[0]:
+                data[key] = res[1]
+        rest = [k for k in to_gather if k not in data]
+        if not rest:
+            w.state.log.append(("receive-dep-hoplite", worker, set(data), stimulus_id, time()))
+            return GatherDepSuccessEvent(
+                worker=worker,
+                total_nbytes=total_nbytes,
+                data=data,
+                stimulus_id=f"hoplite-gather-dep-success-{time()}",
+            )
+        ev = await orig(worker, rest, total_nbytes, stimulus_id=stimulus_id)
+        if isinstance(ev, GatherDepSuccessEvent):
+            ev.data.update(data)
+        # Otherwise the keys go back to `fetch`; what hoplite fetched stays in
+        # the store as a complete buffer and the retry finds it there.
+        return ev
+
+    async def handle_gather(self, who_has: dict[Key, list[str]]) -> dict[str, Any]:
+        """The ``gather`` endpoint (``client.replicate``, ``scatter(broadcast=True)``)."""
+        w = self.worker
+        assert w is not None
+        wanted = [k for k in who_has if k not in w.data]
+        results = await asyncio.gather(*(self.fetch(k) for k in wanted), return_exceptions=True)
+        data = {
+            k: r[1]
+            for k, r in zip(wanted, results, strict=True)
+            if not isinstance(r, BaseException) and r[0]
+        }
+        if data:
+            w.update_data(data=data, stimulus_id=f"hoplite-gather-{time()}")
+        rest = {k: v for k, v in who_has.items() if k not in data}
+        if not rest:
+            return {"status": "OK"}
+        return await self._orig_gather(who_has=rest)
+
+    # ------------------------------------------------------------ sending
+
+    async def _source(self, key: Key) -> ObjectBuffer | None:
+        """The buffer to serve ``key`` from: a receiving or complete buffer of
+        ours, else the object in ``worker.data`` serialised once (zero-copy for
+        numpy arrays)."""
+        w = self.worker
+        assert w is not None
+        buf = self.store.get(key)
+        if buf is not None and buf.state is not BufferState.FAILED:
+            return buf
+        if key not in w.data:
+            return None
+        value = w.data[key]
+        header, frames = await offload(serialize, value, serializers=("dask", "pickle"), on_error="raise")
+        return self.store.add_source(key, header, frames)
+
+    async def handle_stream(self, comm: Comm, **msg: Any) -> Status:
+        """Peer handler: stream a key from a byte offset (protocol.py)."""
+        w = self.worker
+        assert w is not None
+        try:
+            req = StreamRequest.parse(msg)
+            buf = await self._source(req.key)
+            if buf is None:
+                raise ProtocolError(f"worker {w.address} holds no copy of key {req.key!r}")
+            if buf.layout is None:  # announced, the receiver's own sender not connected yet
+                await wait_progress(buf, 0, self.config.stall_timeout)
+            assert buf.layout is not None
+            if req.offset > buf.layout.nbytes:
+                raise ProtocolError(
+                    f"offset {req.offset} is past the end of {req.key!r} ({buf.layout.nbytes} bytes)"
+                )
+        except Exception as e:
+            logger.info("refusing hoplite stream to %s: %s", comm.peer_address, e)
+            self._count("requests-refused")
+            try:
+                await comm.write(error_reply(str(e)))
+            except (CommClosedError, OSError):
+                pass
+            return Status.dont_reply
+        try:
+            n = await send_stream(
+                comm,
+                buf,
+                req,
+                window_bytes=self.config.window_bytes,
+                stall_timeout=self.config.stall_timeout,
+            )
+            self._count("bytes-sent", n)
+        except Exception as e:
+            logger.info("hoplite stream of %r to %s ended: %s", req.key, comm.peer_address, e)
+            self._count("streams-aborted")
+            comm.abort()
+        return Status.dont_reply
+
+    def info(self) -> dict[str, Any]:
+        """Handler ``hoplite_worker_info``: the store's size and counters."""
+        return {
+            "buffers": len(self.store),
+            "nbytes": self.store.nbytes,
+            "stats": dict(self.stats),
+            "version": __version__,
+        }
