@@ -93,8 +93,10 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
     with Client(ec.scheduler_address, timeout=60) as client:
         if method.startswith("hoplite"):
             client.register_plugin(dask_hoplite.Hoplite())
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"],
-                         key=lambda a: int(a.split(".")[-1].split(":")[0]))
+        workers = sorted(
+            client.scheduler_info(n_workers=-1)["workers"],
+            key=lambda a: int(a.split(".")[-1].split(":")[0]),
+        )
         src, receivers = workers[0], workers[1:]
         src_role = "w0"
         pids = ec.pids()
@@ -109,18 +111,29 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
                 try:
                     client.replicate([x], callback_timeout=timeout)
                 except Exception as e:  # noqa: BLE001 - reported in the table
-                    ok, note = False, f"replicate did not finish in {timeout:.0f}s ({type(e).__name__})"
+                    ok, note = (
+                        False,
+                        f"replicate did not finish in {timeout:.0f}s ({type(e).__name__})",
+                    )
                     times.append(float("inf"))
                     break
                 dt = time.perf_counter() - t0
                 holders = client.who_has([x])[x.key]
                 if len(holders) < len(workers):
                     note = f"{len(holders)}/{len(workers)} replicas left after return (AMM)"
-                got = [client.submit(fingerprint, x, workers=[w], pure=False,
-                                     allow_other_workers=False) for w in holders]
+                got = [
+                    client.submit(
+                        fingerprint, x, workers=[w], pure=False, allow_other_workers=False
+                    )
+                    for w in holders
+                ]
             else:
-                got = [client.submit(fingerprint, x, workers=[w], pure=False,
-                                     allow_other_workers=False) for w in receivers]
+                got = [
+                    client.submit(
+                        fingerprint, x, workers=[w], pure=False, allow_other_workers=False
+                    )
+                    for w in receivers
+                ]
                 wait(got)
                 dt = time.perf_counter() - t0
             c1 = cpu_seconds(pids)
@@ -135,23 +148,37 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
             time.sleep(0.5)
     ec.stop_dask()
     seconds = statistics.median(times) if times else float("inf")
-    return Result(method, ec.n_workers, size, ec.rate_mbit, seconds, times, bound,
-                  int(statistics.median(tx)) if tx else 0,
-                  statistics.median(cpu) if cpu else 0.0, ok, note)
+    return Result(
+        method,
+        ec.n_workers,
+        size,
+        ec.rate_mbit,
+        seconds,
+        times,
+        bound,
+        int(statistics.median(tx)) if tx else 0,
+        statistics.median(cpu) if cpu else 0.0,
+        ok,
+        note,
+    )
 
 
 def print_table(results: list[Result]) -> None:
     base = {(r.size): r.seconds for r in results if r.op == "dask"}
-    hdr = (f"{'op':<18} {'N':>3} {'S':>9} {'rate':>9} {'seconds':>8} {'x S/B':>7} "
-           f"{'x dask':>7} {'src egress':>11} {'x S':>5} {'CPU%':>5}  note")
+    hdr = (
+        f"{'op':<18} {'N':>3} {'S':>9} {'rate':>9} {'seconds':>8} {'x S/B':>7} "
+        f"{'x dask':>7} {'src egress':>11} {'x S':>5} {'CPU%':>5}  note"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         vs = r.seconds / base[r.size] if r.size in base else float("nan")
-        print(f"{r.op:<18} {r.n_workers:>3} {format_bytes(r.size):>9} "
-              f"{r.rate_mbit:>6.0f}Mb/s {r.seconds:>8.3f} {r.ratio_bound:>7.2f} {vs:>7.2f} "
-              f"{format_bytes(r.source_tx_bytes):>11} {r.source_tx_bytes / r.size:>5.2f} "
-              f"{r.cpu_percent:>5.0f}  {r.note}{'' if r.ok else ' FAILED'}")
+        print(
+            f"{r.op:<18} {r.n_workers:>3} {format_bytes(r.size):>9} "
+            f"{r.rate_mbit:>6.0f}Mb/s {r.seconds:>8.3f} {r.ratio_bound:>7.2f} {vs:>7.2f} "
+            f"{format_bytes(r.source_tx_bytes):>11} {r.source_tx_bytes / r.size:>5.2f} "
+            f"{r.cpu_percent:>5.0f}  {r.note}{'' if r.ok else ' FAILED'}"
+        )
 
 
 def plot(results: list[Result], path: str) -> None:
@@ -165,12 +192,15 @@ def plot(results: list[Result], path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(ops)
     for i, op in enumerate(ops):
-        ys = [next((min(r.ratio_bound, 20) for r in results if r.op == op and r.size == s), 0)
-              for s in sizes]
+        ys = [
+            next((min(r.ratio_bound, 20) for r in results if r.op == op and r.size == s), 0)
+            for s in sizes
+        ]
         ax.bar([j + i * width for j in range(len(sizes))], ys, width, label=op)
     ax.axhline(1.0, color="k", lw=0.8, ls="--", label="bound S/B")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))],
-                  [format_bytes(s) for s in sizes])
+    ax.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(sizes))], [format_bytes(s) for s in sizes]
+    )
     ax.set_ylabel("time / (S/B)  (capped at 20)")
     r0 = results[0]
     ax.set_title(f"Broadcast to {r0.n_workers} workers, {r0.rate_mbit:.0f} Mbit/s per host")
@@ -180,15 +210,21 @@ def plot(results: list[Result], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--rate-mbit", type=float, default=1000)
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--sizes", nargs="+", default=["1MiB", "64MiB", "256MiB"])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--timeout-bounds", type=float, default=15.0,
-                   help="give up on a replicate after this many times S/B (at least 20 s)")
+    p.add_argument(
+        "--timeout-bounds",
+        type=float,
+        default=15.0,
+        help="give up on a replicate after this many times S/B (at least 20 s)",
+    )
     p.add_argument("--out", default="benchmarks/results/broadcast")
     args = p.parse_args(argv)
 

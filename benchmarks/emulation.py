@@ -144,8 +144,23 @@ class EmulatedCluster:
         rate_bps = self.rate_mbit * 1e6
         burst = int(max(0.002 * rate_bps / 8, 96 * 1024))  # room for GSO super-packets
         _run(
-            "ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root",
-            "tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "20ms",
+            "ip",
+            "netns",
+            "exec",
+            netns,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{int(rate_bps)}bit",
+            "burst",
+            str(burst),
+            "latency",
+            "20ms",
         )
 
     def _build(self) -> None:
@@ -181,8 +196,13 @@ class EmulatedCluster:
     def exec_prefix(self, role: str) -> list[str]:
         return ["ip", "netns", "exec", self.hosts[role].netns]
 
-    def spawn(self, role: str, argv: Sequence[str], env: dict[str, str] | None = None,
-              log: str | None = None) -> subprocess.Popen:
+    def spawn(
+        self,
+        role: str,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        log: str | None = None,
+    ) -> subprocess.Popen:
         """Start ``argv`` inside host ``role``'s namespace (own process group)."""
         out = open(log, "ab") if log else subprocess.DEVNULL
         p = subprocess.Popen(
@@ -195,25 +215,56 @@ class EmulatedCluster:
         self.hosts[role].procs.append(p)
         return p
 
-    def start_dask(self, env: dict[str, str] | None = None, preload: str | None = None,
-                   nthreads: int = 1, log_dir: str | None = None, timeout: float = 60) -> str:
+    def start_dask(
+        self,
+        env: dict[str, str] | None = None,
+        preload: str | None = None,
+        nthreads: int = 1,
+        log_dir: str | None = None,
+        timeout: float = 60,
+    ) -> str:
         """Scheduler on the ``sched`` host, one worker process per worker host."""
         sched = self.hosts["sched"]
         self.scheduler_address = f"tcp://{sched.address}:8786"
-        argv = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", sched.address,
-                "--port", "8786", "--dashboard-address", ":0"]
+        argv = [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_scheduler",
+            "--host",
+            sched.address,
+            "--port",
+            "8786",
+            "--dashboard-address",
+            ":0",
+        ]
         if preload:
             argv += ["--preload", preload]
         logp = (lambda n: os.path.join(log_dir, f"{n}.log")) if log_dir else (lambda n: None)
         self.spawn("sched", argv, env, logp("scheduler"))
         for i in range(self.n_workers):
             role = f"w{i}"
-            self.spawn(role, [
-                sys.executable, "-m", "distributed.cli.dask_worker", self.scheduler_address,
-                "--host", self.hosts[role].address, "--nthreads", str(nthreads),
-                "--no-nanny", "--name", role, "--dashboard-address", ":0",
-                "--memory-limit", "0",
-            ], env, logp(role))
+            self.spawn(
+                role,
+                [
+                    sys.executable,
+                    "-m",
+                    "distributed.cli.dask_worker",
+                    self.scheduler_address,
+                    "--host",
+                    self.hosts[role].address,
+                    "--nthreads",
+                    str(nthreads),
+                    "--no-nanny",
+                    "--name",
+                    role,
+                    "--dashboard-address",
+                    ":0",
+                    "--memory-limit",
+                    "0",
+                ],
+                env,
+                logp(role),
+            )
         code = (
             "import sys, time\n"
             "from distributed import Client\n"
@@ -224,12 +275,15 @@ class EmulatedCluster:
         self.run_in_client([sys.executable, "-c", code], timeout=timeout + 30)
         return self.scheduler_address
 
-    def run_in_client(self, argv: Sequence[str], timeout: float = 600,
-                      env: dict[str, str] | None = None) -> str:
+    def run_in_client(
+        self, argv: Sequence[str], timeout: float = 600, env: dict[str, str] | None = None
+    ) -> str:
         """Run ``argv`` on the scheduler host and return its stdout."""
         r = subprocess.run(
             [*self.exec_prefix("sched"), *argv],
-            capture_output=True, text=True, timeout=timeout,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
             env={**os.environ, **(env or {})},
         )
         if r.returncode != 0:

@@ -111,7 +111,5 @@ class SendWindow:
 
     def on_ack(self, progress: int) -> None:
         if not self.acked <= progress <= self.sent:
-            raise ProtocolError(
-                f"ack {progress} outside the window [{self.acked}, {self.sent}]"
-            )
+            raise ProtocolError(f"ack {progress} outside the window [{self.acked}, {self.sent}]")
         self.acked = progress

@@ -281,7 +281,9 @@ class Hoplite(SchedulerPlugin):
         s = self.scheduler
         assert s is not None
         orig = self._originals["replicate"]
-        large = [k for k in keys if k in s.tasks and (s.tasks[k].nbytes or 0) >= self.config.min_bytes]
+        large = [
+            k for k in keys if k in s.tasks and (s.tasks[k].nbytes or 0) >= self.config.min_bytes
+        ]
         small = [k for k in keys if k not in set(large)]
         result = None
         if small:

@@ -200,7 +200,10 @@ class HopliteWorker(WorkerPlugin):
         except Exception as e:
             logger.warning(
                 "hoplite stream of %r from %s failed (%s: %s); falling back to Dask's path",
-                key, sender, type(e).__name__, e,
+                key,
+                sender,
+                type(e).__name__,
+                e,
             )
             self._count("streams-failed")
             buf.fail(e)
@@ -280,7 +283,9 @@ class HopliteWorker(WorkerPlugin):
         if key not in w.data:
             return None
         value = w.data[key]
-        header, frames = await offload(serialize, value, serializers=("dask", "pickle"), on_error="raise")
+        header, frames = await offload(
+            serialize, value, serializers=("dask", "pickle"), on_error="raise"
+        )
         return self.store.add_source(key, header, frames)
 
     async def handle_stream(self, comm: Comm, **msg: Any) -> Status:
