@@ -50,6 +50,7 @@ class HopliteConfig:
     fanout: int
     queue_timeout: float
     protect_streams: bool
+    buffer_pool_bytes: int
 
     @classmethod
     def from_dask_config(cls) -> HopliteConfig:
@@ -81,6 +82,7 @@ class HopliteConfig:
             fanout=fanout,
             queue_timeout=_seconds("directory.queue-timeout"),
             protect_streams=bool(dask.config.get("hoplite.amm.protect-streams")),
+            buffer_pool_bytes=_bytes("buffer-pool-bytes"),
         )
 
     def block_size_for(self, nbytes: int) -> int:

@@ -158,6 +158,15 @@ class ObjectDirectory:
             rec.queue.remove(receiver)
             self._maybe_drop(rec)
 
+    def copy_added(self, key: Key, address: str) -> list[Decision]:
+        """Dask has a new complete copy of ``key`` on ``address`` (a task
+        finished, possibly a recomputation): serve receivers waiting for one."""
+        rec = self.objects.get(key)
+        if rec is None:
+            return []
+        rec.holders.add(address)
+        return self._drain(rec)
+
     def copy_released(self, key: Key, address: str) -> list[Decision]:
         """``address`` no longer holds ``key`` (Dask released it there)."""
         rec = self.objects.get(key)

@@ -5,15 +5,24 @@ flow-control window. Pure: the coroutines that move these messages over
 A stream, on one comm, after the receiver's request::
 
     receiver -> sender   {"op": "hoplite_stream", "key", "offset", "protocol",
-                          "transfer_id", "block_bytes", "reply": False}
-    sender   -> receiver {"status": "OK", "header", "lengths"}      (the Layout)
-                       | {"status": "error", "message"}             (then nothing)
+                          "transfer_id", "block_bytes", "raw", "reply": False}
+    sender   -> receiver {"status": "OK", "header", "lengths", "raw"}  (the Layout)
+                       | {"status": "error", "message"}                (then nothing)
+
+then, in *message mode* (any comm backend)::
+
     sender   -> receiver {"offset": o, "data": <block>}  ...   (in order, o ascending)
     receiver -> sender   {"ack": progress}                 ...   (one per block)
 
-The sender keeps at most ``window_bytes`` sent but unacknowledged; the stream
-ends when the receiver acknowledged every byte. Resuming is a new request with
-the offset the receiver reached.
+where the sender keeps at most ``window_bytes`` sent but unacknowledged and the
+stream ends when the receiver acknowledged every byte; or, in *raw mode*, when
+both ends run over a TCP or TLS comm (both asked for it): the bytes
+[offset, size) follow as they are, read by the receiver straight into its
+buffer. Raw mode needs no acknowledgements (TCP's own flow control applies:
+the sender awaits each write into the socket) and costs no copy in user
+space, which is what keeps a chain of relays network-bound on small hosts.
+After the last byte the comm is back at a message boundary and is reused.
+Resuming is a new request with the offset the receiver reached.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ class StreamRequest:
     offset: int
     block_bytes: int
     transfer_id: int | None
+    raw: bool = False
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> StreamRequest:
@@ -60,7 +70,7 @@ class StreamRequest:
         tid = msg.get("transfer_id")
         if tid is not None and not isinstance(tid, int):
             raise ProtocolError(f"transfer_id must be an int or None, got {tid!r}")
-        return cls(msg["key"], offset, block, tid)
+        return cls(msg["key"], offset, block, tid, bool(msg.get("raw", False)))
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -70,6 +80,7 @@ class StreamRequest:
             "block_bytes": self.block_bytes,
             "transfer_id": self.transfer_id,
             "protocol": PROTOCOL_VERSION,
+            "raw": self.raw,
             "reply": False,
         }
 

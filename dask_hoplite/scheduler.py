@@ -151,8 +151,12 @@ class Hoplite(SchedulerPlugin):
     # ------------------------------------------------- Dask's own events
 
     def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if finish in ("released", "forgotten", "erred") and self.directory is not None:
+        if self.directory is None:
+            return
+        if finish in ("released", "forgotten", "erred"):
             self._act(self.directory.forget(key))
+        elif finish == "memory" and isinstance(kwargs.get("worker"), str):
+            self._act(self.directory.copy_added(key, kwargs["worker"]))
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         if self.directory is not None:

@@ -2,10 +2,13 @@
 the block-stream protocol (:mod:`dask_hoplite.protocol`).
 
 Comms come from the worker's own connection pool, so TLS, ``require_encryption``
-and other comm backends apply unchanged. Blocks travel as out-of-band frames
-(``to_serialize(memoryview)``): no pickling, no copy on the sending side.
-Every wait is bounded by ``stall_timeout``: a peer that makes no progress for
-that long is treated as failed.
+and other comm backends apply unchanged. Over TCP and TLS comms the payload
+travels in raw mode: written from the source buffer (zero-copy views of a numpy
+array, or a relay's partially filled buffer) and read straight into the
+receiver's buffer. Other backends use message mode: blocks as out-of-band
+frames with acknowledgements for flow control. Every wait is bounded by
+``stall_timeout``: a peer that makes no progress for that long is treated as
+failed.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 from distributed.comm.core import Comm
 from distributed.protocol import to_serialize
+from tornado.iostream import IOStream
 
 from dask_hoplite.protocol import (
     ProtocolError,
@@ -28,16 +32,26 @@ from dask_hoplite.store import BufferState, Layout, ObjectBuffer
 
 logger = logging.getLogger(__name__)
 
+#: Largest single socket write in raw mode (the kernel chops it anyway; one
+#: await per chunk keeps the sender responsive to cancellation).
+RAW_WRITE_BYTES = 4 * 2**20
+
 
 class StreamStalled(TimeoutError):
     """A peer made no progress for ``hoplite.stall-timeout``."""
 
 
-async def _read(comm: Comm, timeout: float, what: str) -> Any:
+def raw_stream(comm: Comm) -> IOStream | None:
+    """The tornado stream under a TCP or TLS comm, or None for other backends."""
+    stream = getattr(comm, "stream", None)
+    return stream if isinstance(stream, IOStream) else None
+
+
+async def _bounded(aw: Any, timeout: float, what: str, peer: str) -> Any:
     try:
-        return await asyncio.wait_for(comm.read(), timeout)
+        return await asyncio.wait_for(aw, timeout)
     except asyncio.TimeoutError:
-        raise StreamStalled(f"no {what} from {comm.peer_address} for {timeout:g}s") from None
+        raise StreamStalled(f"no {what} from/to {peer} for {timeout:g}s") from None
 
 
 async def wait_progress(buf: ObjectBuffer, threshold: int, timeout: float) -> None:
@@ -76,12 +90,23 @@ async def send_stream(
     assert buf.layout is not None
     layout = buf.layout
     total = layout.nbytes
-    await comm.write({"status": "OK", **layout.to_msg()})
-    window = SendWindow(req.offset, window_bytes)
+    stream = raw_stream(comm) if req.raw else None
+    await comm.write({"status": "OK", "raw": stream is not None, **layout.to_msg()})
+    peer = comm.peer_address
     pos = req.offset
+    if stream is not None:
+        while pos < total:
+            if buf.progress <= pos:
+                await wait_progress(buf, pos, stall_timeout)
+            end = min(buf.progress, layout.frame_end(pos), pos + RAW_WRITE_BYTES)
+            await _bounded(stream.write(buf.view(pos, end)), stall_timeout, "write", peer)
+            pos = end
+        return total - req.offset
+
+    window = SendWindow(req.offset, window_bytes)
     while pos < total:
         while not window.can_send():
-            window.on_ack(parse_ack(await _read(comm, stall_timeout, "ack")))
+            window.on_ack(parse_ack(await _bounded(comm.read(), stall_timeout, "ack", peer)))
         if buf.progress <= pos:
             await wait_progress(buf, pos, stall_timeout)
         end = min(buf.progress, layout.block_end(pos, req.block_bytes))
@@ -89,7 +114,7 @@ async def send_stream(
         window.on_sent(end)
         pos = end
     while window.acked < total:
-        window.on_ack(parse_ack(await _read(comm, stall_timeout, "ack")))
+        window.on_ack(parse_ack(await _bounded(comm.read(), stall_timeout, "ack", peer)))
     return total - req.offset
 
 
@@ -104,18 +129,31 @@ async def receive_stream(
 
     Returns the number of payload bytes received.
     """
+    peer = comm.peer_address
     await comm.write(req.to_msg())
-    reply = await _read(comm, stall_timeout, "reply")
+    reply = await _bounded(comm.read(), stall_timeout, "reply", peer)
     if not isinstance(reply, dict) or reply.get("status") != "OK":
         message = reply.get("message") if isinstance(reply, dict) else reply
-        raise ProtocolError(f"{comm.peer_address} refused to stream {req.key!r}: {message}")
+        raise ProtocolError(f"{peer} refused to stream {req.key!r}: {message}")
     buf.allocate(Layout.from_msg(reply))
     total = buf.nbytes
     if req.offset > total:
         raise ProtocolError(f"resume offset {req.offset} is past the end ({total})")
     pos = req.offset
+    stream = raw_stream(comm) if reply.get("raw") else None
+    if reply.get("raw") and stream is None:
+        raise ProtocolError(f"{peer} answered in raw mode over a comm without a stream")
+    if stream is not None:
+        while pos < total:
+            end = min(total, pos + req.block_bytes)
+            await _bounded(
+                stream.read_into(buf.writable_view(pos, end)), stall_timeout, "block", peer
+            )
+            pos = buf.advance(end)
+        return total - req.offset
+
     while pos < total:
-        offset, data = parse_block(await _read(comm, stall_timeout, "block"), pos)
+        offset, data = parse_block(await _bounded(comm.read(), stall_timeout, "block", peer), pos)
         n = memoryview(data).nbytes
         if n == 0:
             raise ProtocolError(f"empty block at offset {offset} of {req.key!r}")

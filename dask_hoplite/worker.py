@@ -41,8 +41,8 @@ from dask_hoplite.protocol import (
     StreamRequest,
     error_reply,
 )
-from dask_hoplite.store import BlockStore, BufferState, ObjectBuffer
-from dask_hoplite.streams import receive_stream, send_stream, wait_progress
+from dask_hoplite.store import BlockStore, BufferPool, BufferState, ObjectBuffer
+from dask_hoplite.streams import raw_stream, receive_stream, send_stream, wait_progress
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class HopliteWorker(WorkerPlugin):
                 "version everywhere. This worker keeps using Dask's own transfers."
             )
         self.config = HopliteConfig.from_dask_config()
+        self.store = BlockStore(BufferPool(self.config.buffer_pool_bytes))
         self.worker = worker
         self._orig_gather_dep = worker.gather_dep
         worker.gather_dep = self.gather_dep  # type: ignore[method-assign]
@@ -115,6 +116,7 @@ class HopliteWorker(WorkerPlugin):
             del worker.handlers["hoplite_worker_info"]
         for key in list(self.store.buffers):
             self.store.release(key)
+        self.store.pool.clear()
         self.worker = None
 
     def transition(self, key: Key, start: str, finish: str, **kwargs: Any) -> None:
@@ -184,11 +186,11 @@ class HopliteWorker(WorkerPlugin):
 
         sender, tid = reply["sender"], reply["transfer_id"]
         block = self.config.block_size_for(int(reply.get("nbytes") or 0))
-        req = StreamRequest(key, 0, block, tid)
         ok = False
         comm: Comm | None = None
         try:
             comm = await w.rpc.connect(sender)
+            req = StreamRequest(key, 0, block, tid, raw=raw_stream(comm) is not None)
             n = await receive_stream(comm, buf, req, stall_timeout=self.config.stall_timeout)
             w.rpc.reuse(sender, comm)
             comm = None
@@ -332,6 +334,8 @@ class HopliteWorker(WorkerPlugin):
         return {
             "buffers": len(self.store),
             "nbytes": self.store.nbytes,
+            "pool_idle_bytes": self.store.pool.idle_bytes,
+            "pool_reused": self.store.pool.reused,
             "stats": dict(self.stats),
             "version": __version__,
         }

@@ -1,0 +1,193 @@
+"""The object directory, without a network: sender assignment, trees, queueing,
+cleanup, and invariants under random event sequences (hypothesis)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_hoplite.directory import Assign, Missing, ObjectDirectory, Queued
+
+K = "x"
+
+
+def test_simultaneous_receivers_form_a_chain_with_fanout_1():
+    d = ObjectDirectory(fanout=1)
+    senders = {}
+    for i in range(7):
+        a = d.request(K, f"r{i}", holders=["src"])
+        assert isinstance(a, Assign)
+        senders[a.receiver] = a.sender
+    # src -> r0 -> r1 -> ... -> r6: the source sends exactly one copy.
+    assert senders == {"r0": "src", **{f"r{i}": f"r{i - 1}" for i in range(1, 7)}}
+    rec = d.objects[K]
+    assert rec.peak_uploads == 1
+    assert list(d.upstream(K, "r6")) == ["r5", "r4", "r3", "r2", "r1", "r0", "src"]
+
+
+def test_fanout_2_builds_a_binary_tree():
+    d = ObjectDirectory(fanout=2)
+    senders = {}
+    for i in range(6):
+        a = d.request(K, f"r{i}", holders=["src"])
+        assert isinstance(a, Assign)
+        senders[a.receiver] = a.sender
+    assert senders["r0"] == senders["r1"] == "src"
+    # Next receivers hang below the shallowest partial copies, two each.
+    assert sorted(senders[f"r{i}"] for i in range(2, 6)) == ["r0", "r0", "r1", "r1"]
+    assert d.objects[K].peak_uploads == 2
+
+
+def test_idle_complete_copy_is_preferred_over_partial():
+    d = ObjectDirectory(fanout=1)
+    a = d.request(K, "r0", holders=["src"])
+    assert d.transfer_finished(a.transfer_id, ok=True) == []
+    # r0 is complete now: two idle complete copies serve two new receivers.
+    b = d.request(K, "r1", holders=["src"])
+    c = d.request(K, "r2", holders=["src"])
+    assert {b.sender, c.sender} == {"src", "r0"}
+
+
+def test_receiver_never_streams_from_itself_or_a_descendant():
+    d = ObjectDirectory(fanout=1)
+    d.request(K, "a", holders=["src"])
+    d.request(K, "b", holders=["src"])  # a -> b
+    d.request(K, "c", holders=["src"])  # b -> c
+    # The source dies; a asks again. Its only candidates depend on it.
+    d.worker_removed("src")
+    decision = d.request(K, "a", holders=[])
+    assert decision == Queued(K, "a")
+    # Giving up leaves no trace of the queued request.
+    d.cancel_request(K, "a")
+    assert "a" not in d.objects[K].queue
+
+
+def test_unknown_key_is_missing_and_leaves_no_entry():
+    d = ObjectDirectory()
+    assert d.request("nope", "r0", holders=[]) == Missing("nope", "r0")
+    assert len(d) == 0
+
+
+def test_queued_receiver_is_assigned_when_capacity_frees():
+    d = ObjectDirectory(fanout=1)
+    a = d.request(K, "a", holders=["src"])  # src -> a
+    d.request(K, "b", holders=["src"])  # a -> b
+    d.worker_removed("src")  # a's stream is cut; a's copy is partial forever
+    assert d.request(K, "a", holders=[]) == Queued(K, "a")
+    assert d.copy_released(K, "nobody") == []  # no change: still queued
+    assert d.transfer_finished(a.transfer_id, ok=False) == []  # stale id: ignored
+    # A new complete copy appears (Dask recomputed the key on "new").
+    out = d.copy_added(K, "new")
+    assert out == [Assign(K, "a", "new", out[0].transfer_id)]
+
+
+def test_forget_drops_everything_and_releases_waiters():
+    d = ObjectDirectory(fanout=1)
+    d.request(K, "a", holders=["src"])
+    d.request(K, "b", holders=["src"])
+    d.worker_removed("src")
+    d.request(K, "a", holders=[])
+    out = d.forget(K)
+    assert out == [Missing(K, "a")]
+    assert len(d) == 0 and not d.transfers
+
+
+def test_released_copies_and_finished_transfers_leave_no_entry():
+    d = ObjectDirectory(fanout=1)
+    for i in range(4):
+        d.request(K, f"r{i}", holders=["src"])
+    for tid in list(d.transfers):
+        d.transfer_finished(tid, ok=True)
+    assert d.objects[K].complete == {"r0", "r1", "r2", "r3"}
+    for r in ["r0", "r1", "r2", "r3", "src"]:
+        d.copy_released(K, r)
+    assert len(d) == 0
+
+
+def test_pinned_lists_senders_and_receivers_of_active_streams():
+    d = ObjectDirectory(fanout=1)
+    a = d.request(K, "a", holders=["src", "other"])
+    assert d.pinned(K) == {a.sender, "a"}
+    d.transfer_finished(a.transfer_id, ok=True)
+    assert d.pinned(K) == set()
+
+
+def test_bad_fanout_is_rejected():
+    with pytest.raises(ValueError, match="fanout"):
+        ObjectDirectory(fanout=0)
+
+
+# ----------------------------------------------------------------- properties
+
+workers = st.sampled_from([f"w{i}" for i in range(6)])
+keys = st.sampled_from(["k1", "k2"])
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("request"), keys, workers, st.sets(workers, max_size=2)),
+        st.tuples(st.just("finish"), st.integers(0, 30), st.booleans()),
+        st.tuples(st.just("release"), keys, workers),
+        st.tuples(st.just("add"), keys, workers),
+        st.tuples(st.just("remove"), workers),
+        st.tuples(st.just("forget"), keys),
+        st.tuples(st.just("cancel"), keys, workers),
+    ),
+    max_size=60,
+)
+
+
+def check_invariants(d: ObjectDirectory) -> None:
+    for key, rec in d.objects.items():
+        # Upload counts are exactly the active streams, and within fanout.
+        counts: dict[str, int] = {}
+        for r, t in rec.incoming.items():
+            assert t.receiver == r and t.key == key
+            assert d.transfers[t.transfer_id] is t
+            assert t.sender != r
+            counts[t.sender] = counts.get(t.sender, 0) + 1
+        assert counts == rec.uploads
+        assert all(n <= d.fanout for n in counts.values())
+        assert rec.peak_uploads <= d.fanout
+        # No cycles: walking upstream always ends.
+        for r in rec.incoming:
+            chain = list(d.upstream(key, r))
+            assert r not in chain
+        assert len(set(rec.queue)) == len(rec.queue)
+        assert not set(rec.queue) & set(rec.incoming)
+    assert sum(len(rec.incoming) for rec in d.objects.values()) == len(d.transfers)
+
+
+@settings(max_examples=300, deadline=None)
+@given(fanout=st.integers(1, 3), evs=events)
+def test_invariants_hold_under_any_event_sequence(fanout, evs):
+    d = ObjectDirectory(fanout=fanout)
+    for ev in evs:
+        kind = ev[0]
+        if kind == "request":
+            _, key, w, holders = ev
+            out = d.request(key, w, holders)
+            if isinstance(out, Assign):
+                assert out.sender != w
+                assert w not in d.upstream(key, out.sender)
+        elif kind == "finish":
+            ids = sorted(d.transfers)
+            if ids:
+                d.transfer_finished(ids[ev[1] % len(ids)], ev[2])
+        elif kind == "add":
+            d.copy_added(ev[1], ev[2])
+        elif kind == "release":
+            d.copy_released(ev[1], ev[2])
+        elif kind == "remove":
+            d.worker_removed(ev[1])
+            for rec in d.objects.values():
+                assert all(ev[1] not in (t.sender, t.receiver) for t in rec.incoming.values())
+        elif kind == "forget":
+            d.forget(ev[1])
+            assert ev[1] not in d.objects
+        elif kind == "cancel":
+            d.cancel_request(ev[1], ev[2])
+        check_invariants(d)
+    # Dask forgetting every key leaves nothing behind.
+    for key in list(d.objects):
+        d.forget(key)
+    assert len(d) == 0 and not d.transfers
