@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import dask.config
 import yaml
@@ -22,8 +23,17 @@ with open(_DEFAULTS_PATH) as f:
 dask.config.update_defaults(_defaults)
 
 
+def _get(key: str) -> Any:
+    """``hoplite.<key>`` from dask.config, falling back to the shipped default
+    (a test harness or an application may reset dask.config wholesale)."""
+    default: Any = _defaults["hoplite"]
+    for part in key.split("."):
+        default = default[part]
+    return dask.config.get(f"hoplite.{key}", default=default)
+
+
 def _bytes(key: str) -> int:
-    value = dask.config.get(f"hoplite.{key}")
+    value = _get(key)
     n = parse_bytes(value) if isinstance(value, str) else int(value)
     if n < 0:
         raise ValueError(f"hoplite.{key} must be >= 0, got {value!r}")
@@ -31,7 +41,7 @@ def _bytes(key: str) -> int:
 
 
 def _seconds(key: str) -> float:
-    value = parse_timedelta(dask.config.get(f"hoplite.{key}"), default="seconds")
+    value = parse_timedelta(_get(key), default="seconds")
     if value is None or value <= 0:
         raise ValueError(f"hoplite.{key} must be a positive duration")
     return float(value)
@@ -54,7 +64,7 @@ class HopliteConfig:
 
     @classmethod
     def from_dask_config(cls) -> HopliteConfig:
-        fanout = int(dask.config.get("hoplite.broadcast.fanout"))
+        fanout = int(_get("broadcast.fanout"))
         if fanout < 1:
             raise ValueError(f"hoplite.broadcast.fanout must be >= 1, got {fanout}")
         block = _bytes("block-bytes")
@@ -64,7 +74,7 @@ class HopliteConfig:
                 "hoplite.min-block-bytes must be positive and at most hoplite.block-bytes "
                 f"(got {min_block} and {block})"
             )
-        min_blocks = int(dask.config.get("hoplite.min-blocks"))
+        min_blocks = int(_get("min-blocks"))
         if min_blocks < 1:
             raise ValueError(f"hoplite.min-blocks must be >= 1, got {min_blocks}")
         window = _bytes("window-bytes")
@@ -81,7 +91,7 @@ class HopliteConfig:
             stall_timeout=_seconds("stall-timeout"),
             fanout=fanout,
             queue_timeout=_seconds("directory.queue-timeout"),
-            protect_streams=bool(dask.config.get("hoplite.amm.protect-streams")),
+            protect_streams=bool(_get("amm.protect-streams")),
             buffer_pool_bytes=_bytes("buffer-pool-bytes"),
         )
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-Key = Hashable
+from dask.typing import Key  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,9 @@ class ObjectDirectory:
     # -------------------------------------------------------------- internals
 
     def _assign(self, rec: ObjectRecord, receiver: str) -> Decision:
-        copies = rec.copies() - {receiver}
+        # A holder that is itself still receiving serves from its partial
+        # buffer: it counts as partial (and may depend on the requester).
+        copies = rec.copies() - {receiver} - rec.incoming.keys()
         partial = {r: t for r, t in rec.incoming.items() if r != receiver}
         if not copies and not partial:
             return Missing(rec.key, receiver)

@@ -27,9 +27,10 @@ Resuming is a new request with the offset the receiver reached.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
+
+from dask.typing import Key
 
 #: Bumped on any incompatible change of the messages above or of the
 #: worker <-> scheduler directory messages. Peers with another value refuse.
@@ -44,7 +45,7 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class StreamRequest:
-    key: Hashable
+    key: Key
     offset: int
     block_bytes: int
     transfer_id: int | None

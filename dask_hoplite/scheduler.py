@@ -14,7 +14,7 @@ import asyncio
 import logging
 import random
 from collections import defaultdict
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from distributed import SchedulerPlugin
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Key = Hashable
+from dask.typing import Key  # noqa: E402
 
 _HANDLERS = ("hoplite_request", "hoplite_info")
 _STREAM_HANDLERS = ("hoplite-finished", "hoplite-released")
@@ -375,8 +375,8 @@ class Hoplite(SchedulerPlugin):
                         for k in who_has:
                             self._replicating.pop(k, None)
                 for (addr, who_has), failed in zip(gathers.items(), failed_per_worker, strict=True):
-                    ws = s.workers.get(addr)
+                    target = s.workers.get(addr)
                     for k in who_has:
-                        if k not in failed and ws is not None:
-                            achieved[k].add(ws)
+                        if k not in failed and target is not None:
+                            achieved[k].add(target)
             return [ts.key for ts in tasks if len(achieved[ts.key]) < n and ts.state == "memory"]

@@ -21,13 +21,12 @@ import enum
 import mmap
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-Key = Hashable
+from dask.typing import Key  # noqa: E402
 
 
 class BufferState(enum.Enum):
@@ -201,7 +200,7 @@ class ObjectBuffer:
             return
         self.layout = layout
         self._array = self.pool.allocate(layout.nbytes)
-        mv = memoryview(self._array)
+        mv = memoryview(self._array)  # type: ignore[arg-type]
         self._frames = [mv[a:b] for a, b in layout.frame_bounds()]
         self.state = BufferState.RECEIVING
         if layout.nbytes == 0:
@@ -236,7 +235,7 @@ class ObjectBuffer:
             raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
         if not 0 <= start <= self.progress or not start <= stop <= self._array.size:
             raise ValueError(f"[{start}, {stop}) does not continue progress {self.progress}")
-        return memoryview(self._array)[start:stop]
+        return memoryview(self._array)[start:stop]  # type: ignore[arg-type]
 
     def advance(self, end: int) -> int:
         """Bytes up to ``end`` were written in place; wake readers."""
@@ -284,7 +283,8 @@ class ObjectBuffer:
         return self.progress > threshold or (threshold == 0 and self.layout.nbytes == 0)
 
     def _wake(self) -> None:
-        keep, fire = [], []
+        keep: list[tuple[int, Waiter]] = []
+        fire: list[tuple[int, Waiter]] = []
         for threshold, cb in self._waiters:
             (fire if self._satisfied(threshold) else keep).append((threshold, cb))
         self._waiters = keep

@@ -147,7 +147,10 @@ async def receive_stream(
         while pos < total:
             end = min(total, pos + req.block_bytes)
             await _bounded(
-                stream.read_into(buf.writable_view(pos, end)), stall_timeout, "block", peer
+                stream.read_into(buf.writable_view(pos, end)),  # type: ignore[arg-type]
+                stall_timeout,
+                "block",
+                peer,
             )
             pos = buf.advance(end)
         return total - req.offset

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection, Hashable
+from collections.abc import Collection
 from time import time
 from typing import Any
 
@@ -46,7 +46,7 @@ from dask_hoplite.streams import raw_stream, receive_stream, send_stream, wait_p
 
 logger = logging.getLogger(__name__)
 
-Key = Hashable
+from dask.typing import Key  # noqa: E402
 
 PLUGIN_NAME = "hoplite-worker"
 
@@ -129,7 +129,8 @@ class HopliteWorker(WorkerPlugin):
 
     def _send(self, msg: dict[str, Any]) -> None:
         w = self.worker
-        if w is not None and w.batched_stream is not None and not w.batched_stream.comm.closed():
+        bs = w.batched_stream if w is not None else None
+        if w is not None and bs is not None and bs.comm is not None and not bs.comm.closed():
             w.batched_send(msg)
 
     def _count(self, name: str, n: int = 1) -> None:

@@ -1,0 +1,120 @@
+"""Multi-process clusters (a real process boundary): Dask's worker-state
+validation on, client.restart, and the 64-consumer acceptance workload."""
+
+from __future__ import annotations
+
+import asyncio
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+
+from dask_hoplite import Hoplite
+
+
+def fingerprint(x, i=0):
+    x = np.asarray(x)
+    return int(x.nbytes), float(x[:: max(1, x.size // 1000)].sum()), i
+
+
+def plugin_state(dask_worker):
+    p = dask_worker.plugins.get("hoplite-worker")
+    return {
+        "installed": p is not None and dask_worker.gather_dep == p.gather_dep,
+        "validate": dask_worker.state.validate,
+        "received": p.stats.get("keys-received", 0) if p else 0,
+    }
+
+
+async def _broadcast(c, workers, size, seed):
+    x = c.submit(
+        lambda n, s: np.random.default_rng(s).random(n),
+        size // 8,
+        seed,
+        workers=[workers[0]],
+        pure=False,
+    )
+    await wait(x)
+    expected = await c.submit(fingerprint, x, workers=[workers[0]], pure=False)
+    got = await c.gather([c.submit(fingerprint, x, workers=[w], pure=False) for w in workers[1:]])
+    assert [g[:2] for g in got] == [expected[:2]] * (len(workers) - 1)
+    return x
+
+
+@pytest.mark.timeout(240)
+def test_validated_multiprocess_cluster_and_restart():
+    asyncio.run(_validated_and_restart())
+
+
+async def _validated_and_restart():
+    cfg = {"distributed.scheduler.validate": True, "distributed.worker.validate": True}
+    with dask.config.set(cfg):
+        async with (
+            LocalCluster(
+                n_workers=3,
+                threads_per_worker=1,
+                processes=True,
+                asynchronous=True,
+                dashboard_address=":0",
+                validate=True,  # Nanny passes validate=False to its worker unless told
+            ) as cluster,
+            Client(cluster, asynchronous=True) as c,
+        ):
+            await c.register_plugin(Hoplite())
+            workers = sorted(cluster.scheduler.workers)
+            await _broadcast(c, workers, 8 * 2**20, 1)
+            state = await c.run(plugin_state)
+            assert all(s["installed"] and s["validate"] for s in state.values()), state
+            assert sorted(s["received"] for s in state.values()) == [0, 1, 1]
+
+            await c.restart()
+            workers = sorted(cluster.scheduler.workers)
+            assert len(workers) == 3
+            await _broadcast(c, workers, 8 * 2**20, 2)
+            state = await c.run(plugin_state)
+            assert all(s["installed"] for s in state.values())
+            assert sorted(s["received"] for s in state.values()) == [0, 1, 1]
+            # The scheduler part was not duplicated by the restart.
+            assert sum(isinstance(p, Hoplite) for p in cluster.scheduler.plugins.values()) == 1
+
+
+async def _sixty_four_consumers(plugin: bool):
+    async with (
+        LocalCluster(
+            n_workers=8,
+            threads_per_worker=1,
+            processes=True,
+            asynchronous=True,
+            dashboard_address=":0",
+            memory_limit=0,
+        ) as cluster,
+        Client(cluster, asynchronous=True) as c,
+    ):
+        if plugin:
+            await c.register_plugin(Hoplite())
+        workers = sorted(cluster.scheduler.workers)
+        x = c.submit(
+            lambda: np.random.default_rng(7).random(25_000_000), workers=[workers[0]]
+        )  # 200 MB
+        await wait(x)
+        futs = [
+            c.submit(fingerprint, x, i, workers=[workers[i % 8]], pure=False) for i in range(64)
+        ]
+        results = await c.gather(futs)
+        info = await c.scheduler.hoplite_info() if plugin else None
+        return results, info
+
+
+@pytest.mark.timeout(400)
+def test_64_consumers_of_a_200mb_array_on_8_processes_form_a_tree():
+    with_dask, _ = asyncio.run(_sixty_four_consumers(plugin=False))
+    with_hoplite, info = asyncio.run(_sixty_four_consumers(plugin=True))
+    assert with_hoplite == with_dask
+    (entry,) = [e for e in info["keys"] if e["edges"]]
+    assert entry["peak_uploads"] <= info["fanout"]
+    receivers = [r for _, r in entry["edges"]]
+    assert len(receivers) == len(set(receivers)) == 7  # one stream into each other worker
+    senders = [s for s, _ in entry["edges"]]
+    # Not a star: the source sent at most `fanout` streams, relays did the rest.
+    assert max(senders.count(a) for a in set(senders)) <= info["fanout"]

@@ -1,0 +1,112 @@
+"""Bad input from peers and misconfigured deployments: a clear error to
+whoever made the mistake, and the cluster keeps running with nothing lost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from distributed.comm import connect
+from distributed.utils_test import gen_cluster
+
+import dask_hoplite.compat
+from dask_hoplite import Hoplite, HopliteWorker
+from dask_hoplite.protocol import PROTOCOL_VERSION, STREAM_OP
+
+SMALL = {"hoplite.min-bytes": "64 KiB", "hoplite.min-block-bytes": "4 KiB"}
+
+
+def checksum(x):
+    return float(np.asarray(x).sum())
+
+
+def request(**kw):
+    msg = {
+        "op": STREAM_OP,
+        "key": "x",
+        "offset": 0,
+        "block_bytes": 1024,
+        "transfer_id": None,
+        "protocol": PROTOCOL_VERSION,
+        "reply": False,
+    }
+    msg.update(kw)
+    return {k: v for k, v in msg.items() if v is not ...}
+
+
+@gen_cluster(client=True, nthreads=[("", 1)] * 2, config=SMALL)
+async def test_bad_stream_requests_get_clear_errors_and_the_worker_stays_up(c, s, a, b):
+    await c.register_plugin(Hoplite())
+    x = c.submit(np.arange, 100_000, workers=[a.address], key="x")
+    assert await c.submit(checksum, x, workers=[a.address]) == float(np.arange(100_000).sum())
+    nbytes = 100_000 * 8
+    cases = [
+        (request(key="no-such-key"), "holds no copy of key 'no-such-key'"),
+        (request(offset=-1), "offset must be an int >= 0"),
+        (request(offset=nbytes + 1), f"offset {nbytes + 1} is past the end"),
+        (request(offset="zero"), "offset must be an int >= 0"),
+        (request(block_bytes=0), "block_bytes must be a positive int"),
+        (request(protocol=PROTOCOL_VERSION + 7), "protocol version mismatch"),
+        (request(key=...), "without a 'key'"),
+        (request(transfer_id=[1, 2]), "transfer_id"),
+    ]
+    comm = await connect(a.address)
+    try:
+        for msg, expected in cases:
+            await comm.write(msg)
+            reply = await comm.read()
+            assert reply["status"] == "error", msg
+            assert expected in reply["message"], (expected, reply)
+    finally:
+        comm.abort()
+    # Nothing was lost, and hoplite still serves the key.
+    assert a.status.name == "running" and x.key in a.data
+    assert await c.submit(checksum, x, workers=[b.address]) == float(np.arange(100_000).sum())
+    assert b.plugins["hoplite-worker"].stats["keys-received"] == 1
+    assert a.plugins["hoplite-worker"].stats["requests-refused"] == len(cases)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)] * 2, config=SMALL)
+async def test_directory_rejects_a_mismatched_protocol(c, s, a, b):
+    await c.register_plugin(Hoplite())
+    reply = await c.scheduler.hoplite_request(key="x", receiver=a.address, protocol=-1)
+    assert reply["status"] == "error" and "protocol" in reply["message"]
+    reply = await c.scheduler.hoplite_request(
+        key="unknown", receiver=a.address, protocol=PROTOCOL_VERSION
+    )
+    assert reply == {"status": "missing"}
+
+
+@gen_cluster(client=True, nthreads=[("", 1)] * 2, config=SMALL)
+async def test_worker_part_of_another_version_refuses_loudly(c, s, a, b):
+    with pytest.raises(Exception, match="does not match dask-hoplite 0.0.0-other on the scheduler"):
+        await c.register_plugin(HopliteWorker("0.0.0-other"), name="hoplite-worker")
+    for w in (a, b):
+        assert "gather_dep" not in w.__dict__  # Dask's own path stays in place
+    x = c.submit(np.arange, 100_000, workers=[a.address])
+    assert await c.submit(checksum, x, workers=[b.address]) == float(np.arange(100_000).sum())
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_untested_distributed_is_refused_at_registration(c, s, a, monkeypatch=None):
+    orig = dask_hoplite.compat.installed_distributed_version
+    dask_hoplite.compat.installed_distributed_version = lambda: "2024.1.0"
+    try:
+        with pytest.raises(
+            Exception, match=r"tested with distributed >= 2026.8.0.*runs distributed 2024.1.0"
+        ):
+            await c.register_plugin(Hoplite())
+    finally:
+        dask_hoplite.compat.installed_distributed_version = orig
+    assert "hoplite_request" not in s.handlers
+    # A tested version registers fine afterwards.
+    await c.register_plugin(Hoplite())
+    assert "hoplite_request" in s.handlers
+
+
+def test_check_distributed_version_messages():
+    from dask_hoplite.compat import UnsupportedDistributed, check_distributed_version
+
+    check_distributed_version("2026.8.0")
+    for bad in ["2026.9.0", "2025.1.0", "not-a-version"]:
+        with pytest.raises(UnsupportedDistributed):
+            check_distributed_version(bad)

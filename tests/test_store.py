@@ -1,0 +1,137 @@
+"""The block store without a network: layouts, in-order writes, waiters,
+the buffer pool's reuse rules."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_hoplite.store import BlockStore, BufferPool, BufferState, Layout, ObjectBuffer
+
+
+def test_layout_blocks_never_span_frames():
+    layout = Layout({}, (5, 0, 7))
+    assert layout.nbytes == 12
+    assert layout.block_end(0, 100) == 5
+    assert layout.block_end(5, 3) == 8
+    assert layout.block_end(8, 100) == 12
+    with pytest.raises(ValueError, match="outside"):
+        layout.block_end(12, 1)
+
+
+def test_layout_from_msg_rejects_malformed():
+    with pytest.raises(ValueError, match="malformed"):
+        Layout.from_msg({"header": {}, "lengths": [1, -2]})
+    with pytest.raises(ValueError, match="malformed"):
+        Layout.from_msg({"lengths": [1]})
+
+
+def test_writes_advance_progress_and_wake_waiters_in_order():
+    buf = ObjectBuffer("k")
+    woken = []
+    buf.when(0, lambda b: woken.append(("layout", b.progress)))
+    buf.allocate(Layout({}, (10,)))
+    assert woken == [("layout", 0)] or woken == []  # threshold 0 needs a byte
+    buf.when(4, lambda b: woken.append(("past4", b.progress)))
+    buf.write(0, b"abcd")
+    assert ("past4", 4) not in woken
+    buf.write(4, b"ef")
+    assert ("past4", 6) in woken
+    with pytest.raises(ValueError, match="does not continue"):
+        buf.write(8, b"zz")  # gap
+    buf.write(3, b"def")  # overlap (a resumed stream) is fine
+    buf.write(6, b"ghij")
+    assert buf.state is BufferState.COMPLETE
+    assert bytes(buf.frames()[0]) == b"abcdefghij"
+
+
+def test_fail_wakes_everyone_and_rejects_writes():
+    buf = ObjectBuffer("k")
+    buf.allocate(Layout({}, (10,)))
+    seen = []
+    buf.when(5, lambda b: seen.append(b.state))
+    buf.fail(RuntimeError("peer died"))
+    assert seen == [BufferState.FAILED]
+    with pytest.raises(RuntimeError, match="not receiving"):
+        buf.write(0, b"x")
+
+
+def test_empty_object_completes_on_allocation():
+    buf = ObjectBuffer("k")
+    buf.allocate(Layout({}, ()))
+    assert buf.state is BufferState.COMPLETE and buf.frames() == []
+
+
+def test_layout_mismatch_between_senders_is_an_error():
+    buf = ObjectBuffer("k")
+    buf.allocate(Layout({}, (4,)))
+    with pytest.raises(ValueError, match="changed between senders"):
+        buf.allocate(Layout({}, (5,)))
+
+
+def test_store_release_fails_partial_buffers_but_keeps_complete_ones_readable():
+    store = BlockStore()
+    partial = store.announce("a")
+    partial.allocate(Layout({}, (4,)))
+    full = store.add_source("b", {}, [b"1234"])
+    assert store.release("a") is partial and partial.state is BufferState.FAILED
+    assert store.release("b") is full and bytes(full.frames()[0]) == b"1234"
+    assert len(store) == 0 and store.nbytes == 0
+
+
+def test_source_buffer_over_noncontiguous_frame_copies_once():
+    x = np.arange(20, dtype="i8").reshape(4, 5)[:, ::2]
+    buf = ObjectBuffer.from_frames("k", {}, [memoryview(x)])
+    assert bytes(buf.frames()[0]) == np.ascontiguousarray(x).tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    frames=st.lists(st.binary(max_size=300), max_size=5),
+    block=st.integers(1, 64),
+)
+def test_streaming_any_layout_in_blocks_reassembles_the_bytes(frames, block):
+    src = ObjectBuffer.from_frames("k", {"h": 1}, frames)
+    dst = ObjectBuffer("k")
+    dst.allocate(Layout.from_msg(src.layout.to_msg()))
+    pos, total = 0, src.nbytes
+    while pos < total:
+        end = src.layout.block_end(pos, block)
+        dst.write(pos, src.view(pos, end))
+        pos = end
+    assert dst.state is BufferState.COMPLETE
+    assert [bytes(f) for f in dst.frames()] == frames
+
+
+def test_pool_reuses_a_region_only_after_every_reference_died():
+    pool = BufferPool(capacity=64 * 2**20)
+    n = 3 * 2**20 + 5
+    a = pool.allocate(n)
+    view = memoryview(a)[10:20]
+    user = np.frombuffer(view, dtype=np.uint8)  # like a deserialised object
+    user_slice = user[2:]
+    del a, view, user
+    gc.collect()
+    b = pool.allocate(n)  # the first region is still referenced: a new one
+    assert pool.reused == 0
+    assert not np.shares_memory(b, user_slice)
+    del user_slice
+    gc.collect()
+    c = pool.allocate(n)
+    assert pool.reused == 1 and c.size == n
+    del b, c
+    gc.collect()
+    assert pool.idle_bytes == 2 * 4 * 2**20
+
+
+def test_pool_capacity_zero_keeps_nothing():
+    pool = BufferPool(capacity=0)
+    a = pool.allocate(2**21)
+    del a
+    gc.collect()
+    assert pool.idle_bytes == 0
+    assert pool.allocate(2**21).size == 2**21 and pool.reused == 0
