@@ -169,7 +169,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
 def print_table(results: list[Result]) -> None:
     base = {(r.size): r.seconds for r in results if r.op == "dask"}
     hdr = (
-        f"{'op':<18} {'N':>3} {'S':>9} {'rate':>9} {'seconds':>8} {'x S/B':>7} "
+        f"{'op':<18} {'N':>3} {'S':>9} {'rate':>9} {'cold s':>7} {'seconds':>8} {'x S/B':>7} "
         f"{'x dask':>7} {'src egress':>11} {'x S':>5} {'CPU%':>5}  note"
     )
     print(hdr)
@@ -178,7 +178,8 @@ def print_table(results: list[Result]) -> None:
         vs = r.seconds / base[r.size] if r.size in base else float("nan")
         print(
             f"{r.op:<18} {r.n_workers:>3} {format_bytes(r.size):>9} "
-            f"{r.rate_mbit:>6.0f}Mb/s {r.seconds:>8.3f} {r.ratio_bound:>7.2f} {vs:>7.2f} "
+            f"{r.rate_mbit:>6.0f}Mb/s {r.all_seconds[0]:>7.3f} {r.seconds:>8.3f} "
+            f"{r.ratio_bound:>7.2f} {vs:>7.2f} "
             f"{format_bytes(r.source_tx_bytes):>11} {r.source_tx_bytes / r.size:>5.2f} "
             f"{r.cpu_percent:>5.0f}  {r.note}{'' if r.ok else ' FAILED'}"
         )
@@ -212,6 +213,12 @@ def plot(results: list[Result], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def print_saved(path: str) -> None:
+    """Print the table of a saved run (``--show results.json``)."""
+    with open(path) as f:
+        print_table([Result(**r) for r in json.load(f)])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -229,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         help="give up on a replicate after this many times S/B (at least 20 s)",
     )
     p.add_argument("--out", default="benchmarks/results/broadcast")
+    p.add_argument("--show", metavar="JSON", help="print the table of a saved run and exit")
     args = p.parse_args(argv)
+    if args.show:
+        print_saved(args.show)
+        return 0
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     results: list[Result] = []

@@ -61,6 +61,7 @@ class HopliteConfig:
     queue_timeout: float
     protect_streams: bool
     buffer_pool_bytes: int
+    buffer_pool_idle: float
 
     @classmethod
     def from_dask_config(cls) -> HopliteConfig:
@@ -93,6 +94,7 @@ class HopliteConfig:
             queue_timeout=_seconds("directory.queue-timeout"),
             protect_streams=bool(_get("amm.protect-streams")),
             buffer_pool_bytes=_bytes("buffer-pool-bytes"),
+            buffer_pool_idle=_seconds("buffer-pool-idle"),
         )
 
     def block_size_for(self, nbytes: int) -> int:

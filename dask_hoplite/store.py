@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import mmap
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,6 +107,7 @@ class BufferPool:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._idle: list[np.ndarray] = []
+        self._since: dict[int, float] = {}  # id(region) -> when it became idle
         self._lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
@@ -126,6 +128,7 @@ class BufferPool:
             if fits:
                 region = min(fits, key=lambda r: r.size)
                 self._idle.remove(region)
+                self._since.pop(id(region), None)
                 self.reused += 1
         if region is None:
             # Anonymous mmap, not np.empty: numpy advises huge pages for large
@@ -140,13 +143,34 @@ class BufferPool:
     def _give_back(self, region: np.ndarray) -> None:
         with self._lock:
             self._idle.append(region)
+            self._since[id(region)] = time.monotonic()
             total = sum(r.size for r in self._idle)
             while self._idle and total > self.capacity:
-                total -= self._idle.pop(0).size  # oldest first
+                old = self._idle.pop(0)  # oldest first
+                self._since.pop(id(old), None)
+                total -= old.size
+
+    def trim(self, max_idle: float, now: float | None = None) -> int:
+        """Unmap regions idle for longer than ``max_idle`` seconds, so that a
+        worker's memory returns to its level before a burst of transfers.
+        Returns the bytes released."""
+        now = time.monotonic() if now is None else now
+        freed = 0
+        with self._lock:
+            keep = []
+            for r in self._idle:
+                if now - self._since.get(id(r), now) > max_idle:
+                    self._since.pop(id(r), None)
+                    freed += r.size
+                else:
+                    keep.append(r)
+            self._idle = keep
+        return freed
 
     def clear(self) -> None:
         with self._lock:
             self._idle.clear()
+            self._since.clear()
 
 
 #: Used by buffers that are not given a pool of their own (no reuse).

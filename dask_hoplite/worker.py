@@ -19,6 +19,7 @@ and adds the ``hoplite_stream`` handler. ``teardown`` restores all of it.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Collection
 from time import time
@@ -31,6 +32,7 @@ from distributed.protocol import deserialize, serialize
 from distributed.utils import offload
 from distributed.worker import WORKER_ANY_RUNNING, Worker
 from distributed.worker_state_machine import GatherDepSuccessEvent, StateMachineEvent
+from tornado.ioloop import PeriodicCallback
 
 from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 from dask.typing import Key  # noqa: E402
 
 PLUGIN_NAME = "hoplite-worker"
+_TRIM_CALLBACK = "hoplite-pool-trim"
 
 
 class VersionMismatch(RuntimeError):
@@ -101,6 +104,9 @@ class HopliteWorker(WorkerPlugin):
         worker.handlers["gather"] = self.handle_gather
         worker.handlers[STREAM_OP] = self.handle_stream
         worker.handlers["hoplite_worker_info"] = self.info
+        trim = PeriodicCallback(self._trim_pool, 1000 * min(1.0, self.config.buffer_pool_idle))
+        worker.periodic_callbacks[_TRIM_CALLBACK] = trim
+        trim.start()
         logger.debug("hoplite worker part installed on %s", worker.address)
 
     def teardown(self, worker: Worker) -> None:
@@ -114,6 +120,9 @@ class HopliteWorker(WorkerPlugin):
             del worker.handlers[STREAM_OP]
         if worker.handlers.get("hoplite_worker_info") == self.info:
             del worker.handlers["hoplite_worker_info"]
+        trim = worker.periodic_callbacks.pop(_TRIM_CALLBACK, None)
+        if trim is not None:
+            trim.stop()
         for key in list(self.store.buffers):
             self.store.release(key)
         self.store.pool.clear()
@@ -126,6 +135,11 @@ class HopliteWorker(WorkerPlugin):
             self._send({"op": "hoplite-released", "key": key})
 
     # ------------------------------------------------------------- helpers
+
+    def _trim_pool(self) -> None:
+        freed = self.store.pool.trim(self.config.buffer_pool_idle)
+        if freed:
+            logger.debug("returned %d idle pooled bytes to the OS", freed)
 
     def _send(self, msg: dict[str, Any]) -> None:
         w = self.worker
@@ -143,7 +157,10 @@ class HopliteWorker(WorkerPlugin):
 
     async def _deserialize(self, buf: ObjectBuffer) -> Any:
         assert buf.layout is not None
-        return await offload(deserialize, buf.layout.header, buf.frames())
+        # Dask's deserialize mutates headers (it pops collection keys); the
+        # layout keeps serving other receivers, so give it a copy.
+        header = copy.deepcopy(buf.layout.header)
+        return await offload(deserialize, header, buf.frames())
 
     # ---------------------------------------------------------- receiving
 
@@ -207,6 +224,7 @@ class HopliteWorker(WorkerPlugin):
                 sender,
                 type(e).__name__,
                 e,
+                exc_info=logger.isEnabledFor(logging.DEBUG),
             )
             self._count("streams-failed")
             buf.fail(e)

@@ -119,7 +119,8 @@ async def test_every_kind_of_object_arrives_identical(c, s, a, b, d):
     # Large objects went through hoplite, the small ones through Dask.
     nlarge = sum(1 for n in names if s.tasks[sources[names.index(n)].key].nbytes >= 64 * 1024)
     assert nlarge >= len(names) - 3
-    assert sum(stats([b, d], "keys-received")) == 2 * nlarge
+    allstats = [w.plugins["hoplite-worker"].stats for w in (a, b, d)]
+    assert sum(stats([b, d], "keys-received")) == 2 * nlarge, allstats
 
 
 @gen_cluster(client=True, nthreads=[("", 1)] * 3, config=SMALL)
@@ -248,3 +249,20 @@ async def test_released_keys_leave_no_buffers_or_directory_entries(c, s, a, b, d
     assert info["objects"] == 0 and info["transfers"] == 0 and info["waiting"] == 0
     assert bufs == [0, 0, 0]
     assert sum(stats([b, d], "keys-received")) == 40
+
+
+@gen_cluster(client=True, nthreads=[("", 1)] * 2, config=SMALL)
+async def test_a_received_buffer_can_be_deserialised_again_and_served_on(c, s, a, b):
+    """Dask's deserialize mutates collection headers; a relay deserialises its
+    copy and then serves the same layout to others."""
+    await c.register_plugin(Hoplite())
+    obj = {"payload": b"x" * 300_000, "n": 3, "arr": np.arange(10_000)}
+    [x] = await c.scatter([obj], workers=[a.address])
+    got = await c.submit(identity, x, workers=[b.address])
+    plugin = b.plugins["hoplite-worker"]
+    assert plugin.stats["keys-received"] == 1
+    for _ in range(2):  # served from b's own buffer, twice
+        ok, again = await plugin.fetch(x.key)
+        assert ok and _same(obj, again)
+    assert plugin.stats["local-hits"] == 2
+    assert _same(obj, got)

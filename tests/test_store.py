@@ -135,3 +135,16 @@ def test_pool_capacity_zero_keeps_nothing():
     gc.collect()
     assert pool.idle_bytes == 0
     assert pool.allocate(2**21).size == 2**21 and pool.reused == 0
+
+
+def test_pool_trim_returns_idle_memory_after_a_while():
+    pool = BufferPool(capacity=64 * 2**20)
+    a = pool.allocate(2**21)
+    del a
+    gc.collect()
+    assert pool.idle_bytes == 2**21
+    assert pool.trim(max_idle=60) == 0  # still fresh
+    import time
+
+    assert pool.trim(max_idle=60, now=time.monotonic() + 61) == 2**21
+    assert pool.idle_bytes == 0
