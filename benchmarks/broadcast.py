@@ -200,7 +200,11 @@ def plot(results: list[Result], path: str) -> None:
             next((min(r.ratio_bound, 20) for r in results if r.op == op and r.size == s), 0)
             for s in sizes
         ]
-        ax.bar([j + i * width for j in range(len(sizes))], ys, width, label=op)
+        xs = [j + i * width for j in range(len(sizes))]
+        ax.bar(xs, ys, width, label=op)
+        for x, y in zip(xs, ys, strict=True):
+            label = "did not\nfinish" if y >= 20 else f"{y:.2f}"
+            ax.text(x, y + 0.2, label, ha="center", va="bottom", fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8, ls="--", label="bound S/B")
     ax.set_xticks(
         [j + 0.4 - width / 2 for j in range(len(sizes))], [format_bytes(s) for s in sizes]
@@ -214,9 +218,11 @@ def plot(results: list[Result], path: str) -> None:
 
 
 def print_saved(path: str) -> None:
-    """Print the table of a saved run (``--show results.json``)."""
+    """Print the table of a saved run and redraw its plot (``--show results.json``)."""
     with open(path) as f:
-        print_table([Result(**r) for r in json.load(f)])
+        results = [Result(**r) for r in json.load(f)]
+    print_table(results)
+    plot(results, path.removesuffix(".json") + ".png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -266,3 +266,19 @@ async def test_a_received_buffer_can_be_deserialised_again_and_served_on(c, s, a
         assert ok and _same(obj, again)
     assert plugin.stats["local-hits"] == 2
     assert _same(obj, got)
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)] * 2,
+    config=SMALL,
+    scheduler_kwargs={"preload": ["dask_hoplite"]},
+)
+async def test_scheduler_preload_installs_everything(c, s, a, b):
+    """`dask scheduler --preload dask_hoplite`: no registration call needed."""
+    assert isinstance(s.plugins.get("hoplite"), Hoplite)
+    for w in (a, b):
+        assert w.gather_dep == w.plugins["hoplite-worker"].gather_dep
+    x = c.submit(np.arange, 100_000, workers=[a.address])
+    assert await c.submit(checksum, x, workers=[b.address]) == float(np.arange(100_000).sum())
+    assert stats([b], "keys-received") == [1]

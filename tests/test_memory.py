@@ -1,0 +1,28 @@
+"""After 200 broadcasts of 50 MB keys that are released, hoplite holds nothing:
+workers' memory is back at its starting level, the directory is empty."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.memory import run  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_memory_returns_to_its_starting_level_after_200_broadcasts():
+    r = asyncio.run(run(broadcasts=200, size=50_000_000, n_workers=4))
+    start, end = r["start"], r["end"]
+    assert r["received"] == 200 * 3  # every copy went through hoplite
+    for key in ("directory_entries", "active_transfers", "buffers", "tasks"):
+        assert end[key] == 0, key
+    for addr, rss in end["workers_rss"].items():
+        # A single leaked 50 MB buffer would show; allocator noise stays far below.
+        assert rss - start["workers_rss"][addr] < 25 * 2**20, (addr, start, end)
+    # and the peak shows that memory was really used and then given back
+    assert max(r["peak_workers_rss"].values()) - max(start["workers_rss"].values()) > 40_000_000
