@@ -1,0 +1,151 @@
+"""Reduce-tree planning: the shape of a pipelined reduction, as in Hoplite.
+
+Pure functions, no I/O. A reduction of N objects of S bytes runs on N nodes
+(the result's receiver is one of them, the root); every node adds the streams of
+its children to its own operand block by block and streams the partial result
+to its parent. The shape trades depth against fan-in:
+
+* a *chain* has one child per node: each node's NIC carries S in and S out, so
+  the whole reduction takes about S/B plus one block's latency per hop, which is
+  best when S/B dwarfs the per-hop latency L;
+* a *binary tree* has depth log2(N) but a node takes two streams in, so its
+  ingress is shared: best for small objects, where latency dominates.
+
+Hoplite's rule (Zhuang et al., 2021, and its reference code): with
+``k = round(S / (B * L))`` the longest chain worth having, the tree depth is
+``d = min(ceil(log2((N + 1) / (k + 1))), floor(log2(N + 1)))``; ``d <= 0`` gives
+one chain of N nodes, otherwise a full binary tree of ``2**d - 1`` nodes whose
+bottom level carries ``2**d`` chains (two per node) sharing the remaining nodes
+evenly. Nodes are numbered in the order inputs should fill them: an in-order
+walk, so the earliest inputs take slots farthest from the root and the
+reduction starts streaming before the last input exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def max_chain_length(nbytes: int, bandwidth: float, latency: float) -> int:
+    """Hoplite's ``k``: how many hops a chain may have before the per-hop
+    latency costs more than a tree's shared ingress (``round(S / (B * L))``).
+
+    ``bandwidth`` in bytes per second, ``latency`` in seconds per hop.
+    """
+    if nbytes < 0 or bandwidth <= 0 or latency <= 0:
+        raise ValueError(
+            f"need nbytes >= 0, bandwidth > 0 and latency > 0 "
+            f"(got {nbytes}, {bandwidth}, {latency})"
+        )
+    return int(round(nbytes / (bandwidth * latency)))
+
+
+@dataclass(frozen=True)
+class ReduceTree:
+    """A reduction's shape over nodes ``0 .. n-1`` (numbered in fill order)."""
+
+    parent: tuple[int | None, ...]
+    depth: int  # binary levels above the chains (0: a single chain)
+    chain_length: int  # the k it was planned with
+    _children: tuple[tuple[int, ...], ...] = field(repr=False, compare=False, default=())
+
+    @property
+    def n(self) -> int:
+        return len(self.parent)
+
+    @property
+    def root(self) -> int:
+        return self.parent.index(None)
+
+    def children(self, node: int) -> tuple[int, ...]:
+        return self._children[node]
+
+    def path_to_root(self, node: int) -> list[int]:
+        """``node``'s ancestors, nearest first (the nodes that restart when a
+        stream below them fails)."""
+        out = []
+        p = self.parent[node]
+        while p is not None:
+            out.append(p)
+            p = self.parent[p]
+        return out
+
+    def height(self) -> int:
+        """Longest path from a node to the root, in hops."""
+        return max((len(self.path_to_root(i)) for i in range(self.n)), default=0)
+
+
+class _Node:
+    __slots__ = ("left", "right")
+
+    def __init__(self) -> None:
+        self.left: _Node | None = None
+        self.right: _Node | None = None
+
+
+def plan_reduce_tree(n: int, chain_length: int) -> ReduceTree:
+    """The shape for ``n`` nodes given the longest worthwhile chain ``chain_length``."""
+    if n < 1:
+        raise ValueError(f"a reduction needs at least one node, got {n}")
+    if chain_length < 0:
+        raise ValueError(f"chain_length must be >= 0, got {chain_length}")
+    k = chain_length
+    depth = min(
+        math.ceil(math.log2((n + 1) / (k + 1))),
+        math.floor(math.log2(n + 1)),
+    )
+    depth = max(depth, 0)
+
+    def chain(length: int) -> _Node | None:
+        """A chain of ``length`` nodes; returns its top (children hang left)."""
+        top = None
+        for _ in range(length):
+            node = _Node()
+            node.left = top
+            top = node
+        return top
+
+    if depth == 0:
+        root = chain(n)
+        assert root is not None
+    else:
+        tree = [_Node() for _ in range(2**depth - 1)]
+        for i in range(2 ** (depth - 1) - 1):  # inner nodes, heap layout
+            tree[i].left, tree[i].right = tree[2 * i + 1], tree[2 * i + 2]
+        rest = n - len(tree)
+        n_chains = 2**depth
+        lengths = [rest // n_chains + (1 if i < rest % n_chains else 0) for i in range(n_chains)]
+        bottom = tree[2 ** (depth - 1) - 1 :]
+        for j, node in enumerate(bottom):
+            node.left = chain(lengths[2 * j])
+            node.right = chain(lengths[2 * j + 1])
+        root = tree[0]
+
+    # Number the nodes by an in-order walk (iterative: chains may be long).
+    order: dict[int, int] = {}
+    parent_of: dict[int, _Node | None] = {id(root): None}
+    nodes: list[_Node] = []
+    stack: list[_Node] = []
+    cur: _Node | None = root
+    while stack or cur is not None:
+        while cur is not None:
+            stack.append(cur)
+            if cur.left is not None:
+                parent_of[id(cur.left)] = cur
+            cur = cur.left
+        cur = stack.pop()
+        order[id(cur)] = len(nodes)
+        nodes.append(cur)
+        if cur.right is not None:
+            parent_of[id(cur.right)] = cur
+        cur = cur.right
+    assert len(nodes) == n, (len(nodes), n)
+    parent: list[int | None] = []
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i, node in enumerate(nodes):
+        p = parent_of[id(node)]
+        parent.append(None if p is None else order[id(p)])
+        if p is not None:
+            children[order[id(p)]].append(i)
+    return ReduceTree(tuple(parent), depth, k, tuple(tuple(c) for c in children))

@@ -1,0 +1,80 @@
+"""The reduce-tree planner: Hoplite's shape rule, fill order, invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_hoplite.planner import max_chain_length, plan_reduce_tree
+
+
+def test_large_objects_give_one_chain():
+    # 256 MiB at 1 Gbit/s with 750 us per hop: k ~ 2863, far more than 8 nodes.
+    k = max_chain_length(256 * 2**20, 125e6, 750e-6)
+    assert k == round(256 * 2**20 / (125e6 * 750e-6))
+    t = plan_reduce_tree(8, k)
+    assert t.depth == 0
+    # A chain numbered bottom-up: node i feeds node i + 1, the root is last.
+    assert t.parent == (1, 2, 3, 4, 5, 6, 7, None)
+    assert t.root == 7 and t.height() == 7
+
+
+def test_tiny_objects_give_a_full_binary_tree():
+    t = plan_reduce_tree(7, max_chain_length(1024, 125e6, 750e-6))
+    assert t.depth == 3 and t.height() == 2
+    assert sorted(len(t.children(i)) for i in range(7)) == [0, 0, 0, 0, 2, 2, 2]
+    # in-order numbering: 0 is the leftmost leaf, the root is in the middle
+    assert t.root == 3 and t.children(0) == ()
+
+
+def test_medium_objects_hang_chains_below_a_small_tree():
+    t = plan_reduce_tree(15, 3)
+    # d = min(ceil(log2(16 / 4)), floor(log2(16))) = 2: a 3-node tree, 4 chains of 3
+    assert t.depth == 2
+    assert t.height() == 1 + 3
+    tree_nodes = [i for i in range(15) if len(t.children(i)) == 2]
+    assert len(tree_nodes) == 3
+
+
+def test_one_node_is_its_own_root():
+    t = plan_reduce_tree(1, 0)
+    assert t.parent == (None,) and t.root == 0 and t.height() == 0
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [((0, 1), "at least one node"), ((3, -1), "chain_length")],
+)
+def test_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        plan_reduce_tree(*args)
+
+
+def test_bad_model_parameters():
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        max_chain_length(10, 0, 1e-3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 300), k=st.integers(0, 400))
+def test_every_plan_is_a_tree_over_all_nodes(n, k):
+    t = plan_reduce_tree(n, k)
+    assert t.n == n
+    assert t.parent.count(None) == 1
+    for i in range(n):
+        assert len(t.children(i)) <= 2
+        for c in t.children(i):
+            assert t.parent[c] == i
+        assert i not in t.path_to_root(i)  # acyclic: every path ends at the root
+        if i != t.root:
+            assert t.path_to_root(i)[-1] == t.root
+    # The first input to be ready fills a slot with nothing below it, as far
+    # from the root as any (earliest inputs farthest from the root).
+    assert t.children(0) == ()
+    if n > 1:
+        assert t.root != 0
+    # Chains never exceed what the model allows by more than the rounding of
+    # an even split (plus the tree levels above them).
+    if t.depth > 0:
+        assert t.height() <= (t.depth - 1) + -(-(n - (2**t.depth - 1)) // 2**t.depth)
