@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+from collections import deque
 from collections.abc import Collection
 from time import time
 from typing import Any
@@ -79,6 +80,9 @@ class HopliteWorker(WorkerPlugin):
         self._orig_gather_dep: Any = None
         self._orig_gather: Any = None
         self._fetching: dict[Key, asyncio.Future[None]] = {}
+        #: The latest transfers into this worker: key, sender, bytes, and wall
+        #: times of the directory request, the assignment and the last byte.
+        self.recent: deque[dict[str, Any]] = deque(maxlen=100)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"scheduler_version": self.scheduler_version}
@@ -188,6 +192,7 @@ class HopliteWorker(WorkerPlugin):
         w = self.worker
         assert w is not None
         buf = self.store.announce(key)
+        t_request = time()
         try:
             reply = await w.scheduler.hoplite_request(
                 key=key, receiver=w.address, protocol=PROTOCOL_VERSION
@@ -203,6 +208,7 @@ class HopliteWorker(WorkerPlugin):
             return False, None
 
         sender, tid = reply["sender"], reply["transfer_id"]
+        t_assigned = time()
         block = self.config.block_size_for(int(reply.get("nbytes") or 0))
         ok = False
         comm: Comm | None = None
@@ -216,6 +222,16 @@ class HopliteWorker(WorkerPlugin):
             ok = True
             self._count("bytes-received", n)
             self._count("keys-received")
+            self.recent.append(
+                {
+                    "key": key,
+                    "sender": sender,
+                    "nbytes": n,
+                    "requested": t_request,
+                    "assigned": t_assigned,
+                    "done": time(),
+                }
+            )
             return True, value
         except Exception as e:
             logger.warning(
@@ -356,5 +372,6 @@ class HopliteWorker(WorkerPlugin):
             "pool_idle_bytes": self.store.pool.idle_bytes,
             "pool_reused": self.store.pool.reused,
             "stats": dict(self.stats),
+            "recent": list(self.recent),
             "version": __version__,
         }
