@@ -16,13 +16,32 @@ from typing import TYPE_CHECKING
 
 from dask_hoplite import config as _config  # noqa: F401  (loads the defaults)
 from dask_hoplite._version import __version__
+from dask_hoplite.collectives import (
+    allgather,
+    allreduce,
+    broadcast,
+    gather,
+    reduce,
+    reduced_inputs,
+)
 from dask_hoplite.scheduler import Hoplite
 from dask_hoplite.worker import HopliteWorker
 
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-__all__ = ["Hoplite", "HopliteWorker", "__version__", "dask_setup"]
+__all__ = [
+    "Hoplite",
+    "HopliteWorker",
+    "__version__",
+    "allgather",
+    "allreduce",
+    "broadcast",
+    "dask_setup",
+    "gather",
+    "reduce",
+    "reduced_inputs",
+]
 
 
 def dask_setup(scheduler: Scheduler) -> None:

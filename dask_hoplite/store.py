@@ -124,10 +124,10 @@ class BufferPool:
         size = -(-nbytes // self.GRANULE) * self.GRANULE
         region = None
         with self._lock:
-            fits = [r for r in self._idle if size <= r.size <= size + size // 4]
+            fits = [i for i, r in enumerate(self._idle) if size <= r.size <= size + size // 4]
             if fits:
-                region = min(fits, key=lambda r: r.size)
-                self._idle.remove(region)
+                # by index: list.remove would compare arrays elementwise
+                region = self._idle.pop(min(fits, key=lambda i: self._idle[i].size))
                 self._since.pop(id(region), None)
                 self.reused += 1
         if region is None:

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Collection
 from time import time
 from typing import Any
 
+import numpy as np
 from distributed import WorkerPlugin
 from distributed.comm.core import Comm, CommClosedError
 from distributed.core import Status
@@ -44,6 +46,8 @@ from dask_hoplite.protocol import (
     StreamRequest,
     error_reply,
 )
+from dask_hoplite.reduce_ops import resolve_op
+from dask_hoplite.reduction import ReduceInputError, ReduceSpec, is_partial_key, run_node
 from dask_hoplite.store import BlockStore, BufferPool, BufferState, ObjectBuffer
 from dask_hoplite.streams import raw_stream, receive_stream, send_stream, wait_progress
 
@@ -83,6 +87,11 @@ class HopliteWorker(WorkerPlugin):
         #: The latest transfers into this worker: key, sender, bytes, and wall
         #: times of the directory request, the assignment and the last byte.
         self.recent: deque[dict[str, Any]] = deque(maxlen=100)
+        # Reduce trees: partial results announced / fully sent, running nodes.
+        self._announced: dict[Key, asyncio.Future[None]] = {}
+        self._sent: dict[Key, asyncio.Future[None]] = {}
+        self._reductions: dict[str, set[asyncio.Task[Any]]] = {}
+        self._aborted: deque[str] = deque(maxlen=1000)  # an abort may beat its node
 
     def __getstate__(self) -> dict[str, Any]:
         return {"scheduler_version": self.scheduler_version}
@@ -108,6 +117,8 @@ class HopliteWorker(WorkerPlugin):
         worker.handlers["gather"] = self.handle_gather
         worker.handlers[STREAM_OP] = self.handle_stream
         worker.handlers["hoplite_worker_info"] = self.info
+        worker.handlers["hoplite_reduce_node"] = self.handle_reduce_node
+        worker.handlers["hoplite_reduce_abort"] = self.handle_reduce_abort
         trim = PeriodicCallback(self._trim_pool, 1000 * min(1.0, self.config.buffer_pool_idle))
         worker.periodic_callbacks[_TRIM_CALLBACK] = trim
         trim.start()
@@ -122,8 +133,16 @@ class HopliteWorker(WorkerPlugin):
             worker.handlers["gather"] = self._orig_gather
         if worker.handlers.get(STREAM_OP) == self.handle_stream:
             del worker.handlers[STREAM_OP]
-        if worker.handlers.get("hoplite_worker_info") == self.info:
-            del worker.handlers["hoplite_worker_info"]
+        for name, h in [
+            ("hoplite_worker_info", self.info),
+            ("hoplite_reduce_node", self.handle_reduce_node),
+            ("hoplite_reduce_abort", self.handle_reduce_abort),
+        ]:
+            if worker.handlers.get(name) == h:
+                del worker.handlers[name]
+        for tasks in self._reductions.values():
+            for t in tasks:
+                t.cancel()
         trim = worker.periodic_callbacks.pop(_TRIM_CALLBACK, None)
         if trim is not None:
             trim.stop()
@@ -317,6 +336,17 @@ class HopliteWorker(WorkerPlugin):
         buf = self.store.get(key)
         if buf is not None and buf.state is not BufferState.FAILED:
             return buf
+        if is_partial_key(key):
+            # A reduce node's partial result: its node may not have started yet.
+            fut = self._announced.setdefault(key, asyncio.get_running_loop().create_future())
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), self.config.stall_timeout)
+            except asyncio.TimeoutError:
+                return None
+            finally:
+                if self._announced.get(key) is fut and fut.done():
+                    del self._announced[key]
+            return self.store.get(key)
         if key not in w.data:
             return None
         value = w.data[key]
@@ -358,6 +388,9 @@ class HopliteWorker(WorkerPlugin):
                 stall_timeout=self.config.stall_timeout,
             )
             self._count("bytes-sent", n)
+            sent = self._sent.get(req.key)
+            if sent is not None and not sent.done() and n == buf.nbytes:
+                sent.set_result(None)
         except Exception as e:
             logger.info("hoplite stream of %r to %s ended: %s", req.key, comm.peer_address, e)
             self._count("streams-aborted")
@@ -375,3 +408,123 @@ class HopliteWorker(WorkerPlugin):
             "recent": list(self.recent),
             "version": __version__,
         }
+
+    # ------------------------------------------------------------- reduce
+
+    def announced(self, key: Key) -> None:
+        """A reduce node created its partial buffer: wake waiting senders."""
+        fut = self._announced.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def run_node_until_sent(self, spec: ReduceSpec, slot: int, value: Any) -> None:
+        """Run one non-root node and hold its partial result until the parent
+        has streamed all of it."""
+        key = spec.partial_key(slot)
+        sent = self._sent[key] = asyncio.get_running_loop().create_future()
+        try:
+            await run_node(self, spec, slot, value)
+            await asyncio.wait_for(sent, self.config.stall_timeout)
+        finally:
+            self._sent.pop(key, None)
+            buf = self.store.get(key)
+            if buf is not None:
+                self.store.discard_if(key, buf)
+
+    async def handle_reduce_node(self, spec: dict[str, Any], slot: int) -> dict[str, Any]:
+        """RPC ``hoplite_reduce_node``: run node ``slot`` of a reduce tree."""
+        w = self.worker
+        assert w is not None
+        s = ReduceSpec.from_msg(spec)
+        key = s.inputs[slot]
+        if s.rid in self._aborted:
+            return {"status": "error", "message": "reduction aborted"}
+        if key not in w.data:
+            return {
+                "status": "error",
+                "message": f"input {key!r} of the reduction is not in memory on {w.address}",
+            }
+        task = asyncio.create_task(self.run_node_until_sent(s, slot, w.data[key]))
+        self._reductions.setdefault(s.rid, set()).add(task)
+        try:
+            await task
+            return {"status": "OK"}
+        except ReduceInputError as e:
+            return {"status": "error", "input_error": True, "message": str(e)}
+        except asyncio.CancelledError:
+            return {"status": "error", "message": "reduction aborted"}
+        except Exception as e:
+            logger.warning("reduce node %d of %s failed", slot, s.rid, exc_info=True)
+            return {"status": "error", "message": f"{type(e).__name__}: {e}"}
+        finally:
+            tasks = self._reductions.get(s.rid)
+            if tasks is not None:
+                tasks.discard(task)
+                if not tasks:
+                    del self._reductions[s.rid]
+
+    def handle_reduce_abort(self, rid: str) -> None:
+        """RPC ``hoplite_reduce_abort``: stop this worker's nodes of ``rid``
+        (and refuse the ones that have not arrived yet)."""
+        self._aborted.append(rid)
+        for t in self._reductions.get(rid, ()):
+            t.cancel()
+        self._drop_partials(rid)
+
+    def _drop_partials(self, rid: str) -> None:
+        """Fail and release every partial result of reduction ``rid`` here (a
+        failed buffer also wakes whatever still waits on it)."""
+        for key in [k for k in self.store.buffers if is_partial_key(k) and k[1] == rid]:  # type: ignore[index]
+            self.store.release(key)
+
+    async def run_reduction(self, value: Any, spec_msg: dict[str, Any]) -> Any:
+        """The root of a reduce tree: start the other nodes, combine, return
+        the result (raising the clearest error if any node failed)."""
+        w = self.worker
+        assert w is not None
+        spec = ReduceSpec.from_msg(spec_msg)
+        root = spec.root
+        op = resolve_op(spec.op)
+        if isinstance(value, np.generic):  # Dask may hand 0-d arrays over as scalars
+            value = np.asarray(value)
+        if not isinstance(value, np.ndarray) or value.dtype.fields is not None:
+            raise ReduceInputError(
+                f"input {spec.inputs[root]!r} of the reduction is a "
+                f"{getattr(value, 'dtype', type(value).__name__)}; reductions take numpy "
+                "arrays of a numeric dtype"
+            )
+        # The root's input defines the shape and dtype every input must have.
+        spec = dataclasses.replace(spec, shape=value.shape, dtype=value.dtype.str)
+
+        async def start(slot: int) -> None:
+            reply = await w.rpc(spec.addresses[slot]).hoplite_reduce_node(
+                spec=spec.to_msg(), slot=slot
+            )
+            if reply.get("status") != "OK":
+                cls = ReduceInputError if reply.get("input_error") else RuntimeError
+                raise cls(reply.get("message"))
+
+        nodes = [asyncio.create_task(start(i)) for i in range(len(spec.inputs)) if i != root]
+        own = asyncio.create_task(run_node(self, spec, root, value))
+        everything = [*nodes, own]
+        done, pending = await asyncio.wait(everything, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+        if failed:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(
+                *(w.rpc(a).hoplite_reduce_abort(rid=spec.rid) for a in set(spec.addresses)),
+                return_exceptions=True,
+            )
+            for t in pending:  # cancelled; collect their outcome without waiting
+                t.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._drop_partials(spec.rid)
+            errors = [t.exception() for t in failed]
+            raise next((e for e in errors if isinstance(e, ReduceInputError)), errors[0])  # type: ignore[misc]
+        acc = own.result()
+        try:
+            result = await self._deserialize(acc)
+        finally:
+            self.store.discard_if(spec.partial_key(root), acc)
+        op.finish(result, len(spec.inputs))
+        return result

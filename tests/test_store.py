@@ -148,3 +148,16 @@ def test_pool_trim_returns_idle_memory_after_a_while():
 
     assert pool.trim(max_idle=60, now=time.monotonic() + 61) == 2**21
     assert pool.idle_bytes == 0
+
+
+def test_pool_picks_the_right_region_among_many_sizes():
+    pool = BufferPool(capacity=256 * 2**20)
+    regions = [pool.allocate(n * 2**20) for n in (8, 4, 2, 4)]
+    del regions
+    gc.collect()
+    a = pool.allocate(4 * 2**20)  # two 4 MiB regions idle, an 8 and a 2
+    b = pool.allocate(4 * 2**20)
+    c = pool.allocate(2 * 2**20)
+    assert pool.reused == 3 and (a.size, b.size, c.size) == (4 * 2**20, 4 * 2**20, 2 * 2**20)
+    assert not np.shares_memory(a, b)
+    assert pool.idle_bytes == 8 * 2**20

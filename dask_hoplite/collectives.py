@@ -1,0 +1,231 @@
+"""Explicit collectives on Dask futures.
+
+    import dask_hoplite as dh
+
+    total = dh.reduce(futures, op="sum")          # Future on one worker
+    total = dh.reduce(futures, op="sum", k=6)     # the first 6 of n inputs to be ready
+    dh.reduced_inputs(total)                      # which inputs the result contains
+    parts = dh.allreduce(futures, op="max")       # Futures, one per input's worker
+    rows  = dh.gather(futures, to=address)        # Future of the list, on one worker
+    every = dh.allgather(futures)                 # Futures of the list, one per worker
+    copy  = dh.broadcast(future, workers=[...])   # Futures, one per worker
+
+Results are ordinary futures. Inputs may be futures, or Delayed objects and
+Dask collections (computed first). With an asynchronous client, ``await`` them.
+
+``reduce`` runs a pipelined reduce tree (:mod:`dask_hoplite.reduction`) shaped by
+:mod:`dask_hoplite.planner`; the others ride on hoplite's pipelined transfers
+of large keys (the plugin must be registered for those to be pipelined).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import dask
+from dask.base import is_dask_collection
+from distributed import Client, Future, as_completed, default_client, get_worker
+from distributed.utils import sync
+
+from dask_hoplite.config import _get
+from dask_hoplite.planner import max_chain_length, plan_reduce_tree
+from dask_hoplite.reduce_ops import resolve_op
+from dask_hoplite.reduction import ReduceSpec
+from dask_hoplite.worker import HopliteWorker
+
+_INPUTS_ATTR = "_hoplite_reduced_inputs"
+
+
+def _client(inputs: Sequence[Any]) -> Client:
+    for f in inputs:
+        if isinstance(f, Future):
+            return f.client
+    return default_client()
+
+
+def _as_futures(client: Client, inputs: Sequence[Any]) -> list[Future]:
+    out: list[Future] = []
+    todo = []
+    for i, x in enumerate(inputs):
+        if isinstance(x, Future):
+            out.append(x)
+        elif is_dask_collection(x):
+            out.append(None)  # type: ignore[arg-type]
+            todo.append((i, x))
+        else:
+            raise TypeError(
+                f"input {i} is a {type(x).__name__}; collectives take Dask futures, "
+                "Delayed objects or Dask collections"
+            )
+    if todo:
+        computed = client.compute([x for _, x in todo])
+        for (i, _), f in zip(todo, computed, strict=True):
+            out[i] = f
+    return out
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _as_list(*xs: Any) -> list[Any]:
+    return list(xs)
+
+
+def _reduce_root(value: Any, spec: dict[str, Any]) -> Any:
+    """The Dask task of a reduction's root (runs on the root input's worker)."""
+    w = get_worker()
+    plugin = w.plugins.get("hoplite-worker")
+    if not isinstance(plugin, HopliteWorker):
+        raise RuntimeError(
+            "dask-hoplite's worker part is not installed on "
+            f"{w.address}: register dask_hoplite.Hoplite() first"
+        )
+    return sync(w.loop, plugin.run_reduction, value, spec)
+
+
+async def _reduce_async(client: Client, futures: list[Future], op: Any, k: int | None) -> Future:
+    rop = resolve_op(op)
+    n = len(futures)
+    if n == 0:
+        raise ValueError("reduce needs at least one input")
+    k = n if k is None else k
+    if not isinstance(k, int) or not 1 <= k <= n:
+        raise ValueError(f"k must be an int in [1, {n}] (the number of inputs), got {k!r}")
+    # The first k inputs to be ready fill the tree's slots in that order.
+    chosen: list[Future] = []
+    async for f in as_completed(futures):
+        if f.status == "error":
+            raise RuntimeError(f"input {f.key!r} of the reduction failed") from (
+                await f.exception()
+            )
+        chosen.append(f)
+        if len(chosen) == k:
+            break
+    keys = [f.key for f in chosen]
+    who_has = await client.scheduler.who_has(  # type: ignore[union-attr]
+        keys=keys
+    )
+    nbytes = await client.scheduler.nbytes(  # type: ignore[union-attr]
+        keys=keys, summary=False
+    )
+    addresses = []
+    for key in keys:
+        holders = who_has.get(key) or []
+        if not holders:
+            raise RuntimeError(f"input {key!r} of the reduction is not in memory anywhere")
+        addresses.append(sorted(holders)[0])
+    size = max(int(nbytes.get(key, 0) or 0) for key in keys)
+    bandwidth = float(dask.utils.parse_bytes(str(_get("reduce.bandwidth"))))
+    latency = float(dask.utils.parse_timedelta(_get("reduce.latency")))
+    plan = plan_reduce_tree(k, max_chain_length(size, bandwidth, latency))
+    block = int(dask.utils.parse_bytes(str(_get("block-bytes"))))
+    spec = ReduceSpec(
+        rid=uuid.uuid4().hex,
+        op=rop.name,
+        inputs=tuple(keys),
+        addresses=tuple(addresses),
+        parent=plan.parent,
+        shape=(),
+        dtype="",
+        block_bytes=block,
+    )
+    root = plan.root
+    result = client.submit(
+        _reduce_root,
+        chosen[root],
+        spec.to_msg(),
+        key=f"hoplite-reduce-{rop.name}-{spec.rid}",
+        workers=[addresses[root]],
+        allow_other_workers=False,
+        pure=False,
+    )
+    setattr(result, _INPUTS_ATTR, keys)
+    # Keep the inputs alive until the reduction is done (only the root's input
+    # is a Dask dependency of the result; the others stream from their holders).
+    keepalive = list(chosen)
+    result.add_done_callback(lambda _: keepalive.clear())
+    return result
+
+
+def reduce(inputs: Sequence[Any], op: Any = "sum", k: int | None = None) -> Future:
+    """Reduce ``inputs`` (numpy arrays of one shape and dtype) with ``op``.
+
+    ``op`` is 'sum', 'prod', 'min', 'max', 'mean' or any binary numpy ufunc; the
+    result equals numpy's reduction over a stack of the inputs (e.g.
+    ``np.sum(np.stack(inputs), axis=0)``), up to the order of combination. With
+    ``k``, only the first ``k`` inputs to be ready are reduced; see
+    :func:`reduced_inputs`. Returns a Future of the result, on one worker.
+    """
+    client = _client(inputs)
+    futures = _as_futures(client, inputs)
+    return client.sync(_reduce_async, client, futures, op, k)
+
+
+def reduced_inputs(result: Future) -> list[Any]:
+    """The keys of the inputs a :func:`reduce` result contains."""
+    keys = getattr(result, _INPUTS_ATTR, None)
+    if keys is None:
+        raise ValueError(f"{result!r} is not the result of dask_hoplite.reduce")
+    return list(keys)
+
+
+def broadcast(future: Any, workers: Sequence[str] | None = None) -> list[Future]:
+    """One copy of ``future`` on each of ``workers`` (default: all), as futures."""
+    client = _client([future])
+    [f] = _as_futures(client, [future])
+    if workers is None:
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    if not workers:
+        raise ValueError("broadcast needs at least one worker")
+    return [
+        client.submit(_identity, f, workers=[w], allow_other_workers=False, pure=False)
+        for w in workers
+    ]
+
+
+def gather(inputs: Sequence[Any], to: str) -> Future:
+    """A Future of the list of ``inputs``, on worker ``to``."""
+    client = _client(inputs)
+    futures = _as_futures(client, inputs)
+    return client.submit(_as_list, *futures, workers=[to], allow_other_workers=False, pure=False)
+
+
+async def _holders(client: Client, futures: list[Future]) -> list[str]:
+    from distributed import wait
+
+    await wait(futures)
+    who_has = await client.scheduler.who_has(  # type: ignore[union-attr]
+        keys=[f.key for f in futures]
+    )
+    return sorted({w for f in futures for w in who_has.get(f.key) or ()})
+
+
+async def _allgather_async(client: Client, futures: list[Future]) -> list[Future]:
+    return [
+        client.submit(_as_list, *futures, workers=[w], allow_other_workers=False, pure=False)
+        for w in await _holders(client, futures)
+    ]
+
+
+def allgather(inputs: Sequence[Any]) -> list[Future]:
+    """The list of ``inputs`` on every worker that holds one of them."""
+    client = _client(inputs)
+    return client.sync(_allgather_async, client, _as_futures(client, inputs))
+
+
+async def _allreduce_async(client: Client, futures: list[Future], op: Any) -> list[Future]:
+    total = await _reduce_async(client, futures, op, None)
+    return [
+        client.submit(_identity, total, workers=[w], allow_other_workers=False, pure=False)
+        for w in await _holders(client, futures)
+    ]
+
+
+def allreduce(inputs: Sequence[Any], op: Any = "sum") -> list[Future]:
+    """The reduction of ``inputs``, on every worker that holds one of them
+    (reduced by a pipelined tree, then broadcast through hoplite's chains)."""
+    client = _client(inputs)
+    return client.sync(_allreduce_async, client, _as_futures(client, inputs), op)

@@ -1,0 +1,196 @@
+"""Pipelined reduce trees on the workers.
+
+Every node of the tree (planned by :mod:`dask_hoplite.planner`) holds one input.
+It opens a block stream from each child's *partial result*, combines its own
+operand with them block by block, in place, as the blocks land, and exposes its
+own partial result as a buffer in the worker's block store, which its parent
+streams from while it fills. So partial sums flow up the tree before any node
+has finished, and the root's buffer is the result.
+
+The root runs as a Dask task on the worker that holds the root's input (its
+result is an ordinary Future); it starts the other nodes with the
+``hoplite_reduce_node`` RPC, which runs on the event loop and needs no thread,
+so several nodes on one worker cannot starve each other of task slots. A node
+whose input does not match the root's (shape or dtype) fails with an error
+naming it, which the root raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from dask.typing import Key
+from distributed.comm.core import Comm
+from distributed.protocol import serialize
+
+from dask_hoplite.protocol import StreamRequest
+from dask_hoplite.reduce_ops import ReduceOp, resolve_op
+from dask_hoplite.store import Layout, ObjectBuffer
+from dask_hoplite.streams import raw_stream, receive_stream, wait_progress
+
+if TYPE_CHECKING:
+    from dask_hoplite.worker import HopliteWorker
+
+logger = logging.getLogger(__name__)
+
+PARTIAL = "hoplite-reduce"
+
+
+class ReduceInputError(ValueError):
+    """An input of a reduction does not fit the others (shape or dtype) or is
+    not an array."""
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """Everything a node needs to know; travels as a msgpack-able dict."""
+
+    rid: str
+    op: str
+    inputs: tuple[Key, ...]  # by slot
+    addresses: tuple[str, ...]  # by slot: the worker holding that input
+    parent: tuple[int | None, ...]  # by slot
+    shape: tuple[int, ...]
+    dtype: str  # the inputs' dtype
+    block_bytes: int
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "rid": self.rid,
+            "op": self.op,
+            "inputs": list(self.inputs),
+            "addresses": list(self.addresses),
+            "parent": list(self.parent),
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "block_bytes": self.block_bytes,
+        }
+
+    @classmethod
+    def from_msg(cls, m: dict[str, Any]) -> ReduceSpec:
+        return cls(
+            m["rid"],
+            m["op"],
+            tuple(m["inputs"]),
+            tuple(m["addresses"]),
+            tuple(m["parent"]),
+            tuple(m["shape"]),
+            m["dtype"],
+            int(m["block_bytes"]),
+        )
+
+    def children(self, slot: int) -> list[int]:
+        return [i for i, p in enumerate(self.parent) if p == slot]
+
+    @property
+    def root(self) -> int:
+        return self.parent.index(None)
+
+    def partial_key(self, slot: int) -> tuple[str, str, int]:
+        return (PARTIAL, self.rid, slot)
+
+
+def is_partial_key(key: object) -> bool:
+    return isinstance(key, tuple) and len(key) == 3 and key[0] == PARTIAL
+
+
+def result_layout(shape: tuple[int, ...], dtype: np.dtype) -> Layout:
+    header, frames = serialize(np.empty(shape, dtype=dtype), serializers=("dask",))
+    return Layout(header, tuple(memoryview(f).nbytes for f in frames))
+
+
+def _operand(value: Any, spec: ReduceSpec, slot: int, rdt: np.dtype) -> np.ndarray:
+    """The node's own input as a flat C-contiguous array of the result dtype."""
+    key = spec.inputs[slot]
+    if isinstance(value, np.generic):  # Dask may hand 0-d arrays over as scalars
+        value = np.asarray(value)
+    if not isinstance(value, np.ndarray):
+        raise ReduceInputError(
+            f"input {key!r} of the reduction is a {type(value).__name__}, not a numpy array"
+        )
+    if value.shape != spec.shape or value.dtype != np.dtype(spec.dtype):
+        root = spec.inputs[spec.root]
+        raise ReduceInputError(
+            f"input {key!r} has shape {value.shape} and dtype {value.dtype}, but input "
+            f"{root!r} has shape {spec.shape} and dtype {np.dtype(spec.dtype)}: all inputs "
+            "of a reduction must have one shape and dtype"
+        )
+    return np.ascontiguousarray(value, dtype=rdt).reshape(-1)
+
+
+async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: Any) -> ObjectBuffer:
+    """Combine this node's input with its children's streams into its partial
+    buffer (announced in the store, so the parent can stream it as it fills).
+    Returns the completed buffer."""
+    w = plugin.worker
+    assert w is not None
+    op: ReduceOp = resolve_op(spec.op)
+    rdt = op.result_dtype(np.dtype(spec.dtype))
+    key = spec.partial_key(slot)
+    acc = plugin.store.announce(key)
+    plugin.announced(key)
+    children = spec.children(slot)
+    child_bufs = [ObjectBuffer(spec.partial_key(c), plugin.store.pool) for c in children]
+    tasks: list[asyncio.Task[int]] = []
+    try:
+        own = _operand(value, spec, slot, rdt)
+        acc.allocate(result_layout(spec.shape, rdt))
+        total = acc.nbytes
+        itemsize = max(1, rdt.itemsize)
+        block = max(itemsize, spec.block_bytes // itemsize * itemsize)
+        for c, cbuf in zip(children, child_bufs, strict=True):
+            tasks.append(asyncio.create_task(_pull(plugin, spec, c, cbuf)))
+        stall = plugin.config.stall_timeout
+        for a in range(0, total, block):
+            b = min(total, a + block)
+            for cbuf in child_bufs:
+                if cbuf.progress < b:
+                    await wait_progress(cbuf, b - 1, stall)
+                    _raise_if_failed(tasks)
+            out = np.frombuffer(acc.writable_view(a, b), dtype=rdt)
+            out[...] = own[a // itemsize : b // itemsize]
+            for cbuf in child_bufs:
+                op.combine(out, np.frombuffer(cbuf.view(a, b), dtype=rdt))
+            acc.advance(b)
+        await asyncio.gather(*tasks)
+        return acc
+    except BaseException as e:
+        for t in tasks:
+            t.cancel()
+        acc.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))
+        plugin.store.discard_if(key, acc)
+        raise
+
+
+def _raise_if_failed(tasks: list[asyncio.Task[int]]) -> None:
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+
+
+async def _pull(plugin: HopliteWorker, spec: ReduceSpec, child: int, buf: ObjectBuffer) -> int:
+    """Stream a child's partial result into ``buf``."""
+    w = plugin.worker
+    assert w is not None
+    addr = spec.addresses[child]
+    comm: Comm = await w.rpc.connect(addr)
+    done = False
+    try:
+        req = StreamRequest(
+            spec.partial_key(child), 0, spec.block_bytes, None, raw=raw_stream(comm) is not None
+        )
+        n = await receive_stream(comm, buf, req, stall_timeout=plugin.config.stall_timeout)
+        w.rpc.reuse(addr, comm)
+        done = True
+        return n
+    except BaseException as e:
+        logger.debug("stream of partial %s from %s failed", buf.key, addr, exc_info=True)
+        buf.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))
+        raise
+    finally:
+        if not done:
+            comm.abort()

@@ -1,0 +1,175 @@
+"""Collectives on futures: reduce (every op x dtype x shape x N x k against
+numpy, property-based), allreduce, gather, allgather, broadcast, and the errors
+users get for bad input."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dask_hoplite as dh
+from dask_hoplite.reduce_ops import reference, resolve_op
+from dask_hoplite.reduction import ReduceInputError
+
+
+@pytest.fixture(scope="module")
+def client():
+    with (
+        LocalCluster(
+            n_workers=3,
+            threads_per_worker=1,
+            processes=False,
+            protocol="tcp",
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        c.register_plugin(dh.Hoplite())
+        yield c
+
+
+def workers(client):
+    return sorted(client.scheduler_info(n_workers=-1)["workers"])
+
+
+def scatter(client, arrays):
+    ws = workers(client)
+    return [client.scatter(a, workers=[ws[i % len(ws)]], hash=False) for i, a in enumerate(arrays)]
+
+
+def assert_matches(result, expected):
+    assert result.shape == expected.shape
+    assert result.dtype == expected.dtype, (result.dtype, expected.dtype)
+    if expected.dtype.kind in "fc":
+        rtol = 1e-2 if expected.dtype.itemsize <= 4 and expected.dtype.kind == "f" else 1e-6
+        np.testing.assert_allclose(result, expected, rtol=rtol, atol=1e-3)
+    else:
+        np.testing.assert_array_equal(result, expected)
+
+
+DTYPES = ["i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16", "?"]
+SHAPES = [(), (0,), (7,), (3, 5), (2, 0, 3), (40_000,)]
+OPS = ["sum", "prod", "min", "max", "mean", np.logaddexp, "bitwise_or"]
+
+
+@st.composite
+def cases(draw):
+    op = draw(st.sampled_from(OPS))
+    dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+    r = resolve_op(op)
+    # skip combinations numpy itself rejects (complex min, logaddexp of ints, ...)
+    try:
+        r.result_dtype(dtype)
+        reference(op, [np.ones(2, dtype), np.ones(2, dtype)])
+    except TypeError:
+        op, dtype = "sum", dtype
+    shape = draw(st.sampled_from(SHAPES))
+    n = draw(st.sampled_from([1, 2, 3, 8]))
+    k = draw(st.integers(1, n))
+    noncontig = draw(st.booleans())
+    seed = draw(st.integers(0, 2**16))
+    return op, dtype, shape, n, k, noncontig, seed
+
+
+def make_inputs(dtype, shape, n, noncontig, seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        full_shape = shape + (2,) if noncontig else shape
+        a = rng.integers(0, 4, size=full_shape).astype(dtype)
+        if dtype.kind == "c":
+            a = a + 1j * rng.integers(0, 4, size=full_shape).astype(dtype)
+        out.append(a[..., 0] if noncontig else a)
+    return out
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=cases())
+def test_reduce_matches_numpy(client, case):
+    op, dtype, shape, n, k, noncontig, seed = case
+    arrays = make_inputs(dtype, shape, n, noncontig, seed)
+    futures = scatter(client, arrays)
+    total = dh.reduce(futures, op, k=None if k == n else k)
+    result = total.result()
+    used = dh.reduced_inputs(total)
+    assert len(used) == k and len(set(used)) == k
+    by_key = {f.key: a for f, a in zip(futures, arrays, strict=True)}
+    assert_matches(result, reference(op, [by_key[key] for key in used]))
+
+
+def test_large_arrays_stream_through_the_tree(client):
+    arrays = [np.full(3_000_000, i, dtype="f8") for i in range(8)]  # 24 MB each
+    total = dh.reduce(scatter(client, arrays), "sum").result()
+    assert total.shape == (3_000_000,) and np.all(total == sum(range(8)))
+
+
+def test_allreduce_gather_allgather_broadcast(client):
+    ws = workers(client)
+    arrays = [np.arange(1000) * (i + 1) for i in range(6)]
+    futures = scatter(client, arrays)
+    parts = dh.allreduce(futures, "max")
+    assert len(parts) == len(ws)
+    for p in parts:
+        np.testing.assert_array_equal(p.result(), arrays[-1])
+    rows = dh.gather(futures, to=ws[0]).result()
+    assert all(np.array_equal(a, b) for a, b in zip(rows, arrays, strict=True))
+    every = dh.allgather(futures)
+    assert len(every) == len(ws) and all(len(f.result()) == 6 for f in every)
+    copies = dh.broadcast(futures[0], workers=ws)
+    wait(copies)
+    assert {tuple(client.who_has(c)[c.key]) for c in copies} == {(w,) for w in ws}
+    assert all(np.array_equal(c.result(), arrays[0]) for c in copies)
+
+
+def test_mismatched_inputs_name_the_offender_and_the_cluster_keeps_working(client):
+    good = scatter(client, [np.ones(10), np.ones(10)])
+    [bad] = scatter(client, [np.ones(11)])
+    with pytest.raises(ReduceInputError, match="has shape .* all inputs of a reduction"):
+        dh.reduce(good + [bad], "sum").result()
+    [bad_dtype] = scatter(client, [np.ones(10, dtype="f4")])
+    with pytest.raises(ReduceInputError, match="dtype"):
+        dh.reduce(good + [bad_dtype], "sum").result()
+    not_array = client.submit(lambda: [1, 2, 3])
+    with pytest.raises(ReduceInputError, match="numpy array"):
+        dh.reduce([not_array, not_array], "sum").result()
+    # nothing was lost and the next reduction works
+    np.testing.assert_array_equal(dh.reduce(good, "sum").result(), np.full(10, 2.0))
+    # ...and every partial result was released (asynchronously, right after
+    # the parent finished reading it)
+    for _ in range(100):
+        stores = client.run(lambda dask_worker: len(dask_worker.plugins["hoplite-worker"].store))
+        if set(stores.values()) == {0}:
+            break
+        time.sleep(0.05)
+    leftover = client.run(
+        lambda dask_worker: repr(dask_worker.plugins["hoplite-worker"].store.buffers)
+    )
+    assert set(stores.values()) == {0}, leftover
+
+
+def test_bad_arguments_are_rejected_at_the_call(client):
+    futures = scatter(client, [np.ones(3), np.ones(3)])
+    with pytest.raises(ValueError, match="op must be"):
+        dh.reduce(futures, "median")
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, 2\]"):
+        dh.reduce(futures, "sum", k=3)
+    with pytest.raises(ValueError, match="at least one input"):
+        dh.reduce([], "sum")
+    with pytest.raises(TypeError, match="input 1 is a list"):
+        dh.reduce([futures[0], [1, 2]], "sum")
+    with pytest.raises(ValueError, match="not the result of dask_hoplite.reduce"):
+        dh.reduced_inputs(futures[0])
+
+
+def test_delayed_inputs_are_computed_first(client):
+    import dask
+
+    parts = [dask.delayed(np.full)(5, i) for i in range(4)]
+    np.testing.assert_array_equal(dh.reduce(parts, "sum").result(), np.full(5, 6))
