@@ -166,11 +166,13 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
     )
 
 
-def print_table(results: list[Result]) -> None:
-    base = {(r.size): r.seconds for r in results if r.op == "dask"}
+def print_table(
+    results: list[Result], nic_label: str = "src egress", baseline: str = "dask"
+) -> None:
+    base = {(r.size): r.seconds for r in results if r.op == baseline}
     hdr = (
         f"{'op':<18} {'N':>3} {'S':>9} {'rate':>9} {'cold s':>7} {'seconds':>8} {'x S/B':>7} "
-        f"{'x dask':>7} {'src egress':>11} {'x S':>5} {'CPU%':>5}  note"
+        f"{'x ' + baseline:>7} {nic_label:>11} {'x S':>5} {'CPU%':>5}  note"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -185,14 +187,14 @@ def print_table(results: list[Result]) -> None:
         )
 
 
-def plot(results: list[Result], path: str) -> None:
+def plot(results: list[Result], path: str, title: str = "Broadcast") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sizes = sorted({r.size for r in results})
-    ops = [m for m in METHODS if any(r.op == m for r in results)]
+    ops = list(dict.fromkeys(r.op for r in results))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(ops)
     for i, op in enumerate(ops):
@@ -211,7 +213,7 @@ def plot(results: list[Result], path: str) -> None:
     )
     ax.set_ylabel("time / (S/B)  (capped at 20)")
     r0 = results[0]
-    ax.set_title(f"Broadcast to {r0.n_workers} workers, {r0.rate_mbit:.0f} Mbit/s per host")
+    ax.set_title(f"{title}, {r0.n_workers} workers, {r0.rate_mbit:.0f} Mbit/s per host")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

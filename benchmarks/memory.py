@@ -67,10 +67,17 @@ async def run(
     broadcasts: int, size: int, n_workers: int, idle: float = 1.0, plugin: bool = True
 ) -> dict:
     with dask.config.set({"hoplite.buffer-pool-idle": f"{idle}s"}):
-        async with LocalCluster(
-            n_workers=n_workers, threads_per_worker=1, processes=True, asynchronous=True,
-            dashboard_address=":0", memory_limit=0,
-        ) as cluster, Client(cluster, asynchronous=True) as c:
+        async with (
+            LocalCluster(
+                n_workers=n_workers,
+                threads_per_worker=1,
+                processes=True,
+                asynchronous=True,
+                dashboard_address=":0",
+                memory_limit=0,
+            ) as cluster,
+            Client(cluster, asynchronous=True) as c,
+        ):
             if plugin:
                 await c.register_plugin(Hoplite())
             workers = sorted(cluster.scheduler.workers)
@@ -106,36 +113,49 @@ async def run(
             received = (sum((await c.run(_received)).values()) if plugin else 0) - received0
             await settle()
             end = await snapshot(c, cluster.scheduler, plugin)
-            return {"start": start, "end": end, "peak_workers_rss": peak_rss,
-                    "elapsed": elapsed, "received": received}
+            return {
+                "start": start,
+                "end": end,
+                "peak_workers_rss": peak_rss,
+                "elapsed": elapsed,
+                "received": received,
+            }
 
 
 def report(r: dict, size: int) -> None:
     s, e = r["start"], r["end"]
     print(f"{'process':<28}{'start':>12}{'peak':>12}{'end':>12}{'end-start':>12}")
     for a in sorted(s["workers_rss"]):
-        print(f"worker {a:<21}{format_bytes(s['workers_rss'][a]):>12}"
-              f"{format_bytes(r['peak_workers_rss'].get(a, 0)):>12}"
-              f"{format_bytes(e['workers_rss'][a]):>12}"
-              f"{(e['workers_rss'][a] - s['workers_rss'][a]) / 2**20:>10.1f}MiB")
-    print(f"{'scheduler (+client)':<28}{format_bytes(s['scheduler_rss']):>12}{'':>12}"
-          f"{format_bytes(e['scheduler_rss']):>12}"
-          f"{(e['scheduler_rss'] - s['scheduler_rss']) / 2**20:>10.1f}MiB")
+        print(
+            f"worker {a:<21}{format_bytes(s['workers_rss'][a]):>12}"
+            f"{format_bytes(r['peak_workers_rss'].get(a, 0)):>12}"
+            f"{format_bytes(e['workers_rss'][a]):>12}"
+            f"{(e['workers_rss'][a] - s['workers_rss'][a]) / 2**20:>10.1f}MiB"
+        )
+    print(
+        f"{'scheduler (+client)':<28}{format_bytes(s['scheduler_rss']):>12}{'':>12}"
+        f"{format_bytes(e['scheduler_rss']):>12}"
+        f"{(e['scheduler_rss'] - s['scheduler_rss']) / 2**20:>10.1f}MiB"
+    )
     for k in ("directory_entries", "active_transfers", "buffers", "tasks"):
         print(f"{k:<28}{s[k]:>12}{'':>12}{e[k]:>12}")
     print(f"keys received through hoplite: {r['received']} in {r['elapsed']:.1f}s")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--broadcasts", type=int, default=200)
     p.add_argument("--size", default="50MB")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--compare", action="store_true", help="also run without the plugin")
     args = p.parse_args()
     size = parse_bytes(args.size)
-    print(f"{args.broadcasts} broadcasts of {format_bytes(size)} to {args.workers - 1} workers,"
-          " each key released afterwards\n")
+    print(
+        f"{args.broadcasts} broadcasts of {format_bytes(size)} to {args.workers - 1} workers,"
+        " each key released afterwards\n"
+    )
     print("with dask-hoplite:")
     report(asyncio.run(run(args.broadcasts, size, args.workers)), size)
     if args.compare:

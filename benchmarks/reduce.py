@@ -1,0 +1,161 @@
+"""Reduce of N arrays of S bytes (one per worker) on an emulated cluster:
+hoplite's pipelined reduce tree against Dask's default, in the same run.
+
+Methods (each on a fresh Dask cluster over the same emulated network):
+
+* ``dask-task``  one task summing all inputs (pulls N-1 whole inputs into one worker);
+* ``dask-tree``  a pairwise tree of add tasks (level by level, whole-object fetches);
+* ``hoplite``    ``dask_hoplite.reduce(futures, "sum")``.
+
+Reported as a ratio to the bound S/B (every contributor's NIC must carry S)
+and to ``dask-task``, with the largest ingress any host saw (its NIC counter)
+and the CPU share of the Dask processes. Needs root and iproute2.
+
+    python benchmarks/reduce.py --workers 8 --rate-mbit 1000 --sizes 64MiB 256MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from dask.utils import format_bytes, parse_bytes  # noqa: E402
+
+from benchmarks.broadcast import Result, cpu_seconds, plot, print_table  # noqa: E402
+from benchmarks.emulation import EmulatedCluster  # noqa: E402
+
+METHODS = ("dask-task", "dask-tree", "hoplite")
+
+
+def make_input(nbytes: int, i: int) -> np.ndarray:
+    return np.full(nbytes // 8, float(i + 1))
+
+
+def add_all(*xs: np.ndarray) -> np.ndarray:
+    out = xs[0].copy()
+    for x in xs[1:]:
+        out += x
+    return out
+
+
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a + b
+
+
+def check(x: np.ndarray) -> tuple[int, float, float]:
+    return int(x.size), float(x[0]), float(x[-1])
+
+
+def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
+    from distributed import Client, wait
+
+    import dask_hoplite as dh
+
+    ec.start_dask()
+    bound = size / ec.rate_bytes_per_s
+    times: list[float] = []
+    ingress: list[int] = []
+    cpu: list[float] = []
+    ok, note = True, ""
+    n = ec.n_workers
+    roles = [f"w{i}" for i in range(n)]
+    with Client(ec.scheduler_address, timeout=60) as client:
+        if method == "hoplite":
+            client.register_plugin(dh.Hoplite())
+        workers = sorted(
+            client.scheduler_info(n_workers=-1)["workers"],
+            key=lambda a: int(a.split(".")[-1].split(":")[0]),
+        )
+        pids = ec.pids()
+        expected = float(n * (n + 1) / 2)
+        for _rep in range(reps + 1):  # rep 0 is cold
+            xs = [
+                client.submit(make_input, size, i, workers=[w], pure=False)
+                for i, w in enumerate(workers)
+            ]
+            wait(xs)
+            rx0 = [ec.nic_bytes(r)[1] for r in roles]
+            c0 = cpu_seconds(pids)
+            t0 = time.perf_counter()
+            if method == "dask-task":
+                total = client.submit(add_all, *xs, workers=[workers[0]], pure=False)
+            elif method == "dask-tree":
+                level = xs
+                while len(level) > 1:
+                    nxt = []
+                    for j in range(0, len(level) - 1, 2):
+                        nxt.append(client.submit(add, level[j], level[j + 1], pure=False))
+                    if len(level) % 2:
+                        nxt.append(level[-1])
+                    level = nxt
+                total = level[0]
+            else:
+                total = dh.reduce(xs, "sum")
+            wait(total)
+            dt = time.perf_counter() - t0
+            c1 = cpu_seconds(pids)
+            rx1 = [ec.nic_bytes(r)[1] for r in roles]
+            got = client.submit(check, total, pure=False).result()
+            if got != (size // 8, expected, expected):
+                ok, note = False, f"WRONG RESULT {got}"
+            times.append(dt)
+            ingress.append(max(b - a for a, b in zip(rx0, rx1, strict=True)))
+            cpu.append((c1 - c0) / dt / (os.cpu_count() or 1) * 100)
+            del xs, total
+            time.sleep(0.5)
+    ec.stop_dask()
+    warm = times[1:] or times
+    return Result(
+        method,
+        n,
+        size,
+        ec.rate_mbit,
+        statistics.median(warm),
+        times,
+        bound,
+        int(statistics.median(ingress)),
+        statistics.median(cpu),
+        ok,
+        note,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--rate-mbit", type=float, default=1000)
+    p.add_argument("--sizes", nargs="+", default=["64MiB", "256MiB"])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--reps", type=int, default=3, help="warm reps after one cold rep")
+    p.add_argument("--out", default="benchmarks/results/reduce")
+    args = p.parse_args(argv)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    results: list[Result] = []
+    with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit) as ec:
+        ec.enter_namespace("sched")
+        for size in [parse_bytes(s) for s in args.sizes]:
+            for method in args.methods:
+                r = measure(ec, method, size, args.reps)
+                print(f"# {method} {format_bytes(size)}: {r.all_seconds}", flush=True)
+                results.append(r)
+    print()
+    print_table(results, nic_label="max ingress", baseline="dask-task")
+    with open(args.out + ".json", "w") as f:
+        json.dump([asdict(r) for r in results], f, indent=1)
+    plot(results, args.out + ".png", title="Reduce (sum)")
+    print(f"\nwrote {args.out}.json and {args.out}.png")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
