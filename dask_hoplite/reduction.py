@@ -131,9 +131,16 @@ async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: An
     op: ReduceOp = resolve_op(spec.op)
     rdt = op.result_dtype(np.dtype(spec.dtype))
     key = spec.partial_key(slot)
+    children = spec.children(slot)
+    if not children:
+        # A leaf's partial result is its own operand: serve it as it is.
+        own = _operand(value, spec, slot, rdt)
+        layout = result_layout(spec.shape, rdt)
+        leaf = plugin.store.add_source(key, layout.header, [own.view(np.uint8)])
+        plugin.announced(key)
+        return leaf
     acc = plugin.store.announce(key)
     plugin.announced(key)
-    children = spec.children(slot)
     child_bufs = [ObjectBuffer(spec.partial_key(c), plugin.store.pool) for c in children]
     tasks: list[asyncio.Task[int]] = []
     try:
@@ -152,9 +159,11 @@ async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: An
                     await wait_progress(cbuf, b - 1, stall)
                     _raise_if_failed(tasks)
             out = np.frombuffer(acc.writable_view(a, b), dtype=rdt)
-            out[...] = own[a // itemsize : b // itemsize]
-            for cbuf in child_bufs:
-                op.combine(out, np.frombuffer(cbuf.view(a, b), dtype=rdt))
+            first, *rest = (np.frombuffer(c.view(a, b), dtype=rdt) for c in child_bufs)
+            # own (+) first child straight into the output: one pass, no copy
+            op.ufunc(own[a // itemsize : b // itemsize], first, out=out)
+            for other in rest:
+                op.combine(out, other)
             acc.advance(b)
         await asyncio.gather(*tasks)
         return acc

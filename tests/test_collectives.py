@@ -173,3 +173,10 @@ def test_delayed_inputs_are_computed_first(client):
 
     parts = [dask.delayed(np.full)(5, i) for i in range(4)]
     np.testing.assert_array_equal(dh.reduce(parts, "sum").result(), np.full(5, 6))
+
+
+def test_a_single_input_is_not_modified_or_shared(client):
+    [f] = scatter(client, [np.arange(6, dtype="f8")])
+    mean = dh.reduce([f], "mean").result()
+    np.testing.assert_array_equal(mean, np.arange(6, dtype="f8"))
+    np.testing.assert_array_equal(f.result(), np.arange(6, dtype="f8"))
