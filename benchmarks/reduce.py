@@ -5,7 +5,10 @@ Methods (each on a fresh Dask cluster over the same emulated network):
 
 * ``dask-task``  one task summing all inputs (pulls N-1 whole inputs into one worker);
 * ``dask-tree``  a pairwise tree of add tasks (level by level, whole-object fetches);
-* ``hoplite``    ``dask_hoplite.reduce(futures, "sum")``.
+* ``dask-array`` ``x.sum(axis=0).compute()`` on ``x = da.stack(inputs)`` (Dask's
+                 ``split_every`` tree of tasks);
+* ``hoplite``    ``dask_hoplite.reduce(futures, "sum")``;
+* ``hoplite-array`` ``dask_hoplite.array.sum(x, axis=0)`` on the same stacked array.
 
 Reported as a ratio to the bound S/B (every contributor's NIC must carry S)
 and to ``dask-task``, with the largest ingress any host saw (its NIC counter)
@@ -32,7 +35,7 @@ from dask.utils import format_bytes, parse_bytes  # noqa: E402
 from benchmarks.broadcast import Result, cpu_seconds, plot, print_table  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 
-METHODS = ("dask-task", "dask-tree", "hoplite")
+METHODS = ("dask-task", "dask-tree", "dask-array", "hoplite", "hoplite-array")
 
 
 def make_input(nbytes: int, i: int) -> np.ndarray:
@@ -55,9 +58,12 @@ def check(x: np.ndarray) -> tuple[int, float, float]:
 
 
 def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
+    import dask.array as da
+    from dask import delayed
     from distributed import Client, wait
 
     import dask_hoplite as dh
+    import dask_hoplite.array as dha
 
     ec.start_dask()
     bound = size / ec.rate_bytes_per_s
@@ -68,7 +74,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
     n = ec.n_workers
     roles = [f"w{i}" for i in range(n)]
     with Client(ec.scheduler_address, timeout=60) as client:
-        if method == "hoplite":
+        if method.startswith("hoplite"):
             client.register_plugin(dh.Hoplite())
         workers = sorted(
             client.scheduler_info(n_workers=-1)["workers"],
@@ -97,6 +103,12 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
                         nxt.append(level[-1])
                     level = nxt
                 total = level[0]
+            elif method in ("dask-array", "hoplite-array"):
+                x = da.stack([da.from_delayed(delayed(f), (size // 8,), dtype="f8") for f in xs])
+                if method == "dask-array":
+                    total = client.compute(x.sum(axis=0))
+                else:
+                    total = dha.sum(x, axis=0)
             else:
                 total = dh.reduce(xs, "sum")
             wait(total)
