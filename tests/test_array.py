@@ -5,26 +5,8 @@ from __future__ import annotations
 import dask.array as da
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
 
-import dask_hoplite as dh
 import dask_hoplite.array as dha
-
-
-@pytest.fixture(scope="module")
-def client():
-    with (
-        LocalCluster(
-            n_workers=3,
-            threads_per_worker=1,
-            processes=False,
-            protocol="tcp",
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as c,
-    ):
-        c.register_plugin(dh.Hoplite())
-        yield c
 
 
 def check(got, expected):

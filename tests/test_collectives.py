@@ -8,29 +8,13 @@ import time
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dask_hoplite as dh
 from dask_hoplite.reduce_ops import reference, resolve_op
 from dask_hoplite.reduction import ReduceInputError
-
-
-@pytest.fixture(scope="module")
-def client():
-    with (
-        LocalCluster(
-            n_workers=3,
-            threads_per_worker=1,
-            processes=False,
-            protocol="tcp",
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as c,
-    ):
-        c.register_plugin(dh.Hoplite())
-        yield c
 
 
 def workers(client):

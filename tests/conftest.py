@@ -1,0 +1,26 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_hoplite as dh
+
+
+@pytest.fixture(scope="module")
+def client():
+    """A 3-worker in-process cluster over TCP with the plugin registered, shared
+    by one module's tests (sync API)."""
+    with (
+        LocalCluster(
+            n_workers=3,
+            threads_per_worker=1,
+            processes=False,
+            protocol="tcp",
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        c.register_plugin(dh.Hoplite())
+        yield c
