@@ -8,7 +8,12 @@ Methods (each on a fresh Dask cluster over the same emulated network):
 * ``dask-array`` ``x.sum(axis=0).compute()`` on ``x = da.stack(inputs)`` (Dask's
                  ``split_every`` tree of tasks);
 * ``hoplite``    ``dask_hoplite.reduce(futures, "sum")``;
-* ``hoplite-array`` ``dask_hoplite.array.sum(x, axis=0)`` on the same stacked array.
+* ``hoplite-array`` ``dask_hoplite.array.sum(x, axis=0)`` on the same stacked array;
+* ``dask-allreduce`` / ``hoplite-allreduce``: the sum on every worker (Dask: the
+  one-task sum, then one consumer task pinned to each worker; hoplite:
+  ``dask_hoplite.allreduce``), bound 2(N-1)/N * S/B;
+* ``dask-gather`` / ``hoplite-gather``: the list of all inputs on worker 0 (one
+  task taking all inputs, with and without the plugin), bound (N-1) * S/B.
 
 Reported as a ratio to the bound S/B (every contributor's NIC must carry S)
 and to ``dask-task``, with the largest ingress any host saw (its NIC counter)
@@ -35,7 +40,34 @@ from dask.utils import format_bytes, parse_bytes  # noqa: E402
 from benchmarks.broadcast import Result, cpu_seconds, plot, print_table  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 
-METHODS = ("dask-task", "dask-tree", "dask-array", "hoplite", "hoplite-array")
+METHODS = (
+    "dask-task",
+    "dask-tree",
+    "dask-array",
+    "hoplite",
+    "hoplite-array",
+    "dask-allreduce",
+    "hoplite-allreduce",
+    "dask-gather",
+    "hoplite-gather",
+)
+
+
+def bound_factor(method: str, n: int) -> float:
+    """The physical bound in units of S/B."""
+    if method.endswith("allreduce"):
+        return 2 * (n - 1) / n
+    if method.endswith("gather"):
+        return n - 1
+    return 1.0
+
+
+def as_list(*xs: np.ndarray) -> list[np.ndarray]:
+    return list(xs)
+
+
+def check_list(xs: list[np.ndarray]) -> tuple[int, float, float]:
+    return int(sum(x.size for x in xs)), float(sum(x[0] for x in xs)), float(xs[-1][-1])
 
 
 def make_input(nbytes: int, i: int) -> np.ndarray:
@@ -66,7 +98,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
     import dask_hoplite.array as dha
 
     ec.start_dask()
-    bound = size / ec.rate_bytes_per_s
+    bound = bound_factor(method, ec.n_workers) * size / ec.rate_bytes_per_s
     times: list[float] = []
     ingress: list[int] = []
     cpu: list[float] = []
@@ -109,13 +141,33 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
                     total = client.compute(x.sum(axis=0))
                 else:
                     total = dha.sum(x, axis=0)
+            elif method == "dask-allreduce":
+                s = client.submit(add_all, *xs, workers=[workers[0]], pure=False)
+                total = [client.submit(check, s, workers=[w], pure=False) for w in workers]
+            elif method == "hoplite-allreduce":
+                total = [client.submit(check, p, pure=False) for p in dh.allreduce(xs, "sum")]
+            elif method.endswith("gather"):
+                total = client.submit(as_list, *xs, workers=[workers[0]], pure=False)
             else:
                 total = dh.reduce(xs, "sum")
             wait(total)
             dt = time.perf_counter() - t0
             c1 = cpu_seconds(pids)
             rx1 = [ec.nic_bytes(r)[1] for r in roles]
-            got = client.submit(check, total, pure=False).result()
+            if method.endswith("allreduce"):
+                ok_all = len(total) == n and all(
+                    r == (size // 8, expected, expected) for r in client.gather(total)
+                )
+                got = (size // 8, expected, expected) if ok_all else client.gather(total)
+            elif method.endswith("gather"):
+                got = client.submit(check_list, total, pure=False).result()
+                got = (
+                    (size // 8, expected, expected)
+                    if got == (n * (size // 8), expected, float(n))
+                    else got
+                )
+            else:
+                got = client.submit(check, total, pure=False).result()
             if got != (size // 8, expected, expected):
                 ok, note = False, f"WRONG RESULT {got}"
             times.append(dt)

@@ -30,7 +30,13 @@ from distributed import Future, default_client
 
 from dask_hoplite.collectives import reduce as _reduce
 
-_BLOCK: dict[str, Any] = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max, "mean": np.sum}
+_BLOCK: dict[str, Any] = {
+    "sum": np.sum,
+    "prod": np.prod,
+    "min": np.min,
+    "max": np.max,
+    "mean": np.sum,
+}
 _COMBINE = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean": "sum"}
 
 

@@ -20,6 +20,7 @@ of large keys (the plugin must be registered for those to be pipelined).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -74,6 +75,18 @@ def _as_list(*xs: Any) -> list[Any]:
     return list(xs)
 
 
+def _allreduce_copy(spec: dict[str, Any], j: int) -> Any:
+    """The Dask task of allreduce copy ``j`` (runs on that copy's worker)."""
+    w = get_worker()
+    plugin = w.plugins.get("hoplite-worker")
+    if not isinstance(plugin, HopliteWorker):
+        raise RuntimeError(
+            f"dask-hoplite's worker part is not installed on {w.address}: "
+            "register dask_hoplite.Hoplite() first"
+        )
+    return sync(w.loop, plugin.pull_copy, spec, j)
+
+
 def _reduce_root(value: Any, spec: dict[str, Any]) -> Any:
     """The Dask task of a reduction's root (runs on the root input's worker)."""
     w = get_worker()
@@ -86,7 +99,12 @@ def _reduce_root(value: Any, spec: dict[str, Any]) -> Any:
     return sync(w.loop, plugin.run_reduction, value, spec)
 
 
-async def _reduce_async(client: Client, futures: list[Future], op: Any, k: int | None) -> Future:
+async def _reduce_async(
+    client: Client, futures: list[Future], op: Any, k: int | None, copies: bool = False
+) -> list[Future]:
+    """Plan and submit a reduction; returns [result] or, with ``copies``, the
+    result followed by one copy per other worker holding an input, streamed
+    while the reduction runs (allreduce)."""
     rop = resolve_op(op)
     n = len(futures)
     if n == 0:
@@ -133,6 +151,8 @@ async def _reduce_async(client: Client, futures: list[Future], op: Any, k: int |
         block_bytes=block,
     )
     root = plan.root
+    if copies:
+        spec = dataclasses.replace(spec, copies=tuple(sorted(set(addresses) - {addresses[root]})))
     result = client.submit(
         _reduce_root,
         chosen[root],
@@ -147,7 +167,18 @@ async def _reduce_async(client: Client, futures: list[Future], op: Any, k: int |
     # is a Dask dependency of the result; the others stream from their holders).
     keepalive = list(chosen)
     result.add_done_callback(lambda _: keepalive.clear())
-    return result
+    return [result] + [
+        client.submit(
+            _allreduce_copy,
+            spec.to_msg(),
+            j,
+            key=f"hoplite-allreduce-{rop.name}-{spec.rid}-{j}",
+            workers=[addr],
+            allow_other_workers=False,
+            pure=False,
+        )
+        for j, addr in enumerate(spec.copies)
+    ]
 
 
 def reduce(inputs: Sequence[Any], op: Any = "sum", k: int | None = None) -> Future:
@@ -161,7 +192,11 @@ def reduce(inputs: Sequence[Any], op: Any = "sum", k: int | None = None) -> Futu
     """
     client = _client(inputs)
     futures = _as_futures(client, inputs)
-    return client.sync(_reduce_async, client, futures, op, k)
+    return client.sync(_reduce_one, client, futures, op, k)
+
+
+async def _reduce_one(client: Client, futures: list[Future], op: Any, k: int | None) -> Future:
+    return (await _reduce_async(client, futures, op, k))[0]
 
 
 def reduced_inputs(result: Future) -> list[Any]:
@@ -217,15 +252,12 @@ def allgather(inputs: Sequence[Any]) -> list[Future]:
 
 
 async def _allreduce_async(client: Client, futures: list[Future], op: Any) -> list[Future]:
-    total = await _reduce_async(client, futures, op, None)
-    return [
-        client.submit(_identity, total, workers=[w], allow_other_workers=False, pure=False)
-        for w in await _holders(client, futures)
-    ]
+    return await _reduce_async(client, futures, op, None, copies=True)
 
 
 def allreduce(inputs: Sequence[Any], op: Any = "sum") -> list[Future]:
-    """The reduction of ``inputs``, on every worker that holds one of them
-    (reduced by a pipelined tree, then broadcast through hoplite's chains)."""
+    """The reduction of ``inputs``, on every worker that holds one of them:
+    the root's result first, then one copy per other worker. The copies stream
+    the result through a chain while the reduce tree is still producing it."""
     client = _client(inputs)
     return client.sync(_allreduce_async, client, _as_futures(client, inputs), op)

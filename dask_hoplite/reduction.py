@@ -57,6 +57,10 @@ class ReduceSpec:
     shape: tuple[int, ...]
     dtype: str  # the inputs' dtype
     block_bytes: int
+    #: allreduce: workers that receive the result as it is being reduced, in
+    #: chain order (the first streams the root's partial result, each next one
+    #: streams the copy before it).
+    copies: tuple[str, ...] = ()
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -68,6 +72,7 @@ class ReduceSpec:
             "shape": list(self.shape),
             "dtype": self.dtype,
             "block_bytes": self.block_bytes,
+            "copies": list(self.copies),
         }
 
     @classmethod
@@ -81,6 +86,7 @@ class ReduceSpec:
             tuple(m["shape"]),
             m["dtype"],
             int(m["block_bytes"]),
+            tuple(m.get("copies") or ()),
         )
 
     def children(self, slot: int) -> list[int]:
@@ -92,6 +98,16 @@ class ReduceSpec:
 
     def partial_key(self, slot: int) -> tuple[str, str, int]:
         return (PARTIAL, self.rid, slot)
+
+    def copy_key(self, j: int) -> tuple[str, str, int]:
+        """Key of allreduce copy ``j`` (negative slots: never a tree node)."""
+        return (PARTIAL, self.rid, -1 - j)
+
+    def copy_source(self, j: int) -> tuple[str, tuple[str, str, int]]:
+        """Where copy ``j`` streams from: the root's partial result, or copy j-1."""
+        if j == 0:
+            return self.addresses[self.root], self.partial_key(self.root)
+        return self.copies[j - 1], self.copy_key(j - 1)
 
 
 def is_partial_key(key: object) -> bool:

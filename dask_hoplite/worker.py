@@ -19,11 +19,12 @@ and adds the ``hoplite_stream`` handler. ``teardown`` restores all of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection
 from time import time
 from typing import Any
 
@@ -421,10 +422,18 @@ class HopliteWorker(WorkerPlugin):
         """Run one non-root node and hold its partial result until the parent
         has streamed all of it."""
         key = spec.partial_key(slot)
+        async with self._held_until_sent(key):
+            await run_node(self, spec, slot, value)
+
+    @contextlib.asynccontextmanager
+    async def _held_until_sent(self, key: Key, hold: bool = True) -> AsyncIterator[None]:
+        """Keep the buffer of ``key`` in the store after the body, until a peer
+        has streamed all of it (bounded by the stall timeout); then release it."""
         sent = self._sent[key] = asyncio.get_running_loop().create_future()
         try:
-            await run_node(self, spec, slot, value)
-            await asyncio.wait_for(sent, self.config.stall_timeout)
+            yield
+            if hold:
+                await asyncio.wait_for(sent, self.config.stall_timeout)
         finally:
             self._sent.pop(key, None)
             buf = self.store.get(key)
@@ -476,6 +485,10 @@ class HopliteWorker(WorkerPlugin):
         failed buffer also wakes whatever still waits on it)."""
         for key in [k for k in self.store.buffers if is_partial_key(k) and k[1] == rid]:  # type: ignore[index]
             self.store.release(key)
+        # Peers waiting for a partial result of rid to appear: stop waiting.
+        for key, fut in list(self._announced.items()):
+            if is_partial_key(key) and key[1] == rid and not fut.done():  # type: ignore[index]
+                fut.set_result(None)
 
     async def run_reduction(self, value: Any, spec_msg: dict[str, Any]) -> Any:
         """The root of a reduce tree: start the other nodes, combine, return
@@ -504,16 +517,35 @@ class HopliteWorker(WorkerPlugin):
                 cls = ReduceInputError if reply.get("input_error") else RuntimeError
                 raise cls(reply.get("message"))
 
+        # With allreduce copies, the first one streams the root's partial result
+        # while it fills: hold it until that copy has all of it (and only then
+        # finish a mean in place). Registered before the node runs, so that a
+        # copy finishing early is not missed.
+        async with self._held_until_sent(spec.partial_key(root), hold=bool(spec.copies)):
+            result = await self._run_root(spec, value, start)
+        if not spec.children(root):  # a single input: its buffer is the input itself
+            result = result.copy()
+        op.finish(result, len(spec.inputs))
+        return result
+
+    async def _run_root(self, spec: ReduceSpec, value: Any, start: Any) -> Any:
+        """Run the root node while starting the others; on the first failure
+        abort everything and raise the clearest error."""
+        w = self.worker
+        assert w is not None
+        root = spec.root
         nodes = [asyncio.create_task(start(i)) for i in range(len(spec.inputs)) if i != root]
         own = asyncio.create_task(run_node(self, spec, root, value))
-        everything = [*nodes, own]
-        done, pending = await asyncio.wait(everything, return_when=asyncio.FIRST_EXCEPTION)
+        done, pending = await asyncio.wait([*nodes, own], return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in done if not t.cancelled() and t.exception() is not None]
         if failed:
             for t in pending:
                 t.cancel()
             await asyncio.gather(
-                *(w.rpc(a).hoplite_reduce_abort(rid=spec.rid) for a in set(spec.addresses)),
+                *(
+                    w.rpc(a).hoplite_reduce_abort(rid=spec.rid)
+                    for a in set(spec.addresses) | set(spec.copies)
+                ),
                 return_exceptions=True,
             )
             for t in pending:  # cancelled; collect their outcome without waiting
@@ -521,12 +553,42 @@ class HopliteWorker(WorkerPlugin):
             self._drop_partials(spec.rid)
             errors = [t.exception() for t in failed]
             raise next((e for e in errors if isinstance(e, ReduceInputError)), errors[0])  # type: ignore[misc]
-        acc = own.result()
+        return await self._deserialize(own.result())
+
+    async def pull_copy(self, spec_msg: dict[str, Any], j: int) -> Any:
+        """Allreduce copy ``j``: stream the result from the previous copy (or
+        the root) while it is being reduced, serve the next copy likewise."""
+        w = self.worker
+        assert w is not None
+        spec = ReduceSpec.from_msg(spec_msg)
+        src_addr, src_key = spec.copy_source(j)
+        key = spec.copy_key(j)
+        buf = self.store.announce(key)
+        self.announced(key)
+        task = asyncio.current_task()
+        assert task is not None
+        self._reductions.setdefault(spec.rid, set()).add(task)
         try:
-            result = await self._deserialize(acc)
+            async with self._held_until_sent(key, hold=j + 1 < len(spec.copies)):
+                comm = await w.rpc.connect(src_addr)
+                try:
+                    req = StreamRequest(
+                        src_key, 0, spec.block_bytes, None, raw=raw_stream(comm) is not None
+                    )
+                    await receive_stream(comm, buf, req, stall_timeout=self.config.stall_timeout)
+                except BaseException:
+                    comm.abort()
+                    raise
+                w.rpc.reuse(src_addr, comm)
+                result = await self._deserialize(buf)
+            resolve_op(spec.op).finish(result, len(spec.inputs))
+            return result
+        except BaseException as e:
+            buf.fail(e if isinstance(e, Exception) else RuntimeError("allreduce copy aborted"))
+            raise
         finally:
-            self.store.discard_if(spec.partial_key(root), acc)
-        if not spec.children(root):  # a single input: its buffer is the input itself
-            result = result.copy()
-        op.finish(result, len(spec.inputs))
-        return result
+            tasks = self._reductions.get(spec.rid)
+            if tasks is not None:
+                tasks.discard(task)
+                if not tasks:
+                    del self._reductions[spec.rid]

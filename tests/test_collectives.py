@@ -164,3 +164,22 @@ def test_a_single_input_is_not_modified_or_shared(client):
     mean = dh.reduce([f], "mean").result()
     np.testing.assert_array_equal(mean, np.arange(6, dtype="f8"))
     np.testing.assert_array_equal(f.result(), np.arange(6, dtype="f8"))
+
+
+def test_allreduce_copies_stream_while_reducing_and_land_on_every_worker(client):
+    ws = workers(client)
+    arrays = [np.full(2_000_000, float(i)) for i in range(6)]  # 16 MB each
+    parts = dh.allreduce(scatter(client, arrays), "mean")
+    wait(parts)
+    assert {client.who_has(p)[p.key][0] for p in parts} == set(ws)
+    for p in parts:
+        np.testing.assert_array_equal(p.result(), np.full(2_000_000, 2.5))
+
+
+def test_allreduce_of_mismatched_inputs_fails_everywhere(client):
+    futures = scatter(client, [np.ones(10), np.ones(10), np.ones(12)])
+    parts = dh.allreduce(futures, "sum")
+    for p in parts:
+        with pytest.raises(Exception):  # noqa: B017 - root: ReduceInputError; copies: aborted
+            p.result()
+    assert isinstance(parts[0].exception(), ReduceInputError)
