@@ -26,11 +26,12 @@ import numpy as np
 from dask.typing import Key
 from distributed.comm.core import Comm
 from distributed.protocol import serialize
+from tornado.iostream import IOStream
 
-from dask_hoplite.protocol import StreamRequest
+from dask_hoplite.protocol import ProtocolError, StreamRequest
 from dask_hoplite.reduce_ops import ReduceOp, resolve_op
 from dask_hoplite.store import Layout, ObjectBuffer
-from dask_hoplite.streams import raw_stream, receive_stream, wait_progress
+from dask_hoplite.streams import open_stream, raw_stream, read_raw, receive_stream, wait_progress
 
 if TYPE_CHECKING:
     from dask_hoplite.worker import HopliteWorker
@@ -157,17 +158,100 @@ async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: An
         return leaf
     acc = plugin.store.announce(key)
     plugin.announced(key)
-    child_bufs = [ObjectBuffer(spec.partial_key(c), plugin.store.pool) for c in children]
-    tasks: list[asyncio.Task[int]] = []
     try:
         own = _operand(value, spec, slot, rdt)
         acc.allocate(result_layout(spec.shape, rdt))
-        total = acc.nbytes
         itemsize = max(1, rdt.itemsize)
         block = max(itemsize, spec.block_bytes // itemsize * itemsize)
-        for c, cbuf in zip(children, child_bufs, strict=True):
-            tasks.append(asyncio.create_task(_pull(plugin, spec, c, cbuf)))
-        stall = plugin.config.stall_timeout
+        if raw_capable(plugin, spec, children):
+            await _combine_raw(plugin, spec, children, op, rdt, own, acc, block)
+        else:
+            await _combine_buffered(plugin, spec, children, op, rdt, own, acc, block)
+        return acc
+    except BaseException as e:
+        acc.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))
+        plugin.store.discard_if(key, acc)
+        raise
+
+
+def raw_capable(plugin: HopliteWorker, spec: ReduceSpec, children: list[int]) -> bool:
+    """Whether every child can be read in raw mode (TCP/TLS comms)."""
+    return all(spec.addresses[c].startswith(("tcp://", "tls://")) for c in children)
+
+
+async def _combine_raw(
+    plugin: HopliteWorker,
+    spec: ReduceSpec,
+    children: list[int],
+    op: ReduceOp,
+    rdt: np.dtype,
+    own: np.ndarray,
+    acc: ObjectBuffer,
+    block: int,
+) -> None:
+    """Read each child's stream block by block into a small scratch buffer and
+    combine straight from it (cache-hot, no child-sized allocation)."""
+    w = plugin.worker
+    assert w is not None
+    stall = plugin.config.stall_timeout
+    total = acc.nbytes
+    itemsize = max(1, rdt.itemsize)
+    opened: list[tuple[str, Comm, IOStream]] = []
+    try:
+        for c in children:
+            addr = spec.addresses[c]
+            comm = await w.rpc.connect(addr)
+            opened.append((addr, comm, None))  # type: ignore[arg-type]
+            req = StreamRequest(spec.partial_key(c), 0, block, None, raw=True)
+            layout, stream = await open_stream(comm, req, stall_timeout=stall)
+            if stream is None or layout.nbytes != total:
+                raise ProtocolError(
+                    f"child {spec.inputs[c]!r} answered with {layout.nbytes} bytes in "
+                    f"{'raw' if stream else 'message'} mode; expected {total} in raw mode"
+                )
+            opened[-1] = (addr, comm, stream)
+        scratch = [memoryview(bytearray(block)) for _ in children]
+        for a in range(0, total, block):
+            b = min(total, a + block)
+            parts = []
+            for (_, comm, stream), sc in zip(opened, scratch, strict=True):
+                await read_raw(stream, sc[: b - a], stall, comm.peer_address)
+                parts.append(np.frombuffer(sc[: b - a], dtype=rdt))
+            out = np.frombuffer(acc.writable_view(a, b), dtype=rdt)
+            # own (+) first child straight into the output: one pass, no copy
+            op.ufunc(own[a // itemsize : b // itemsize], parts[0], out=out)
+            for other in parts[1:]:
+                op.combine(out, other)
+            acc.advance(b)
+    except BaseException:
+        for _, comm, _ in opened:
+            comm.abort()
+        raise
+    for addr, comm, _ in opened:
+        w.rpc.reuse(addr, comm)
+
+
+async def _combine_buffered(
+    plugin: HopliteWorker,
+    spec: ReduceSpec,
+    children: list[int],
+    op: ReduceOp,
+    rdt: np.dtype,
+    own: np.ndarray,
+    acc: ObjectBuffer,
+    block: int,
+) -> None:
+    """Message mode (comms other than TCP/TLS): stream each child into a full
+    buffer and combine as its progress grows."""
+    stall = plugin.config.stall_timeout
+    total = acc.nbytes
+    itemsize = max(1, rdt.itemsize)
+    child_bufs = [ObjectBuffer(spec.partial_key(c), plugin.store.pool) for c in children]
+    tasks = [
+        asyncio.create_task(_pull(plugin, spec, c, cbuf))
+        for c, cbuf in zip(children, child_bufs, strict=True)
+    ]
+    try:
         for a in range(0, total, block):
             b = min(total, a + block)
             for cbuf in child_bufs:
@@ -176,18 +260,14 @@ async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: An
                     _raise_if_failed(tasks)
             out = np.frombuffer(acc.writable_view(a, b), dtype=rdt)
             first, *rest = (np.frombuffer(c.view(a, b), dtype=rdt) for c in child_bufs)
-            # own (+) first child straight into the output: one pass, no copy
             op.ufunc(own[a // itemsize : b // itemsize], first, out=out)
             for other in rest:
                 op.combine(out, other)
             acc.advance(b)
         await asyncio.gather(*tasks)
-        return acc
-    except BaseException as e:
+    except BaseException:
         for t in tasks:
             t.cancel()
-        acc.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))
-        plugin.store.discard_if(key, acc)
         raise
 
 

@@ -118,6 +118,31 @@ async def send_stream(
     return total - req.offset
 
 
+async def open_stream(
+    comm: Comm, req: StreamRequest, *, stall_timeout: float
+) -> tuple[Layout, IOStream | None]:
+    """Send ``req`` and read the sender's answer: the object's layout, and the
+    tornado stream to read the payload from in raw mode (None: message mode)."""
+    peer = comm.peer_address
+    await comm.write(req.to_msg())
+    reply = await _bounded(comm.read(), stall_timeout, "reply", peer)
+    if not isinstance(reply, dict) or reply.get("status") != "OK":
+        message = reply.get("message") if isinstance(reply, dict) else reply
+        raise ProtocolError(f"{peer} refused to stream {req.key!r}: {message}")
+    layout = Layout.from_msg(reply)
+    if req.offset > layout.nbytes:
+        raise ProtocolError(f"resume offset {req.offset} is past the end ({layout.nbytes})")
+    stream = raw_stream(comm) if reply.get("raw") else None
+    if reply.get("raw") and stream is None:
+        raise ProtocolError(f"{peer} answered in raw mode over a comm without a stream")
+    return layout, stream
+
+
+async def read_raw(stream: IOStream, into: memoryview, stall_timeout: float, peer: str) -> None:
+    """Fill ``into`` from a raw-mode stream."""
+    await _bounded(stream.read_into(into), stall_timeout, "block", peer)  # type: ignore[arg-type]
+
+
 async def receive_stream(
     comm: Comm,
     buf: ObjectBuffer,
@@ -130,28 +155,14 @@ async def receive_stream(
     Returns the number of payload bytes received.
     """
     peer = comm.peer_address
-    await comm.write(req.to_msg())
-    reply = await _bounded(comm.read(), stall_timeout, "reply", peer)
-    if not isinstance(reply, dict) or reply.get("status") != "OK":
-        message = reply.get("message") if isinstance(reply, dict) else reply
-        raise ProtocolError(f"{peer} refused to stream {req.key!r}: {message}")
-    buf.allocate(Layout.from_msg(reply))
+    layout, stream = await open_stream(comm, req, stall_timeout=stall_timeout)
+    buf.allocate(layout)
     total = buf.nbytes
-    if req.offset > total:
-        raise ProtocolError(f"resume offset {req.offset} is past the end ({total})")
     pos = req.offset
-    stream = raw_stream(comm) if reply.get("raw") else None
-    if reply.get("raw") and stream is None:
-        raise ProtocolError(f"{peer} answered in raw mode over a comm without a stream")
     if stream is not None:
         while pos < total:
             end = min(total, pos + req.block_bytes)
-            await _bounded(
-                stream.read_into(buf.writable_view(pos, end)),  # type: ignore[arg-type]
-                stall_timeout,
-                "block",
-                peer,
-            )
+            await read_raw(stream, buf.writable_view(pos, end), stall_timeout, peer)
             pos = buf.advance(end)
         return total - req.offset
 

@@ -338,6 +338,8 @@ class HopliteWorker(WorkerPlugin):
         if buf is not None and buf.state is not BufferState.FAILED:
             return buf
         if is_partial_key(key):
+            if key[1] in self._aborted:  # type: ignore[index,operator]
+                return None
             # A reduce node's partial result: its node may not have started yet.
             fut = self._announced.setdefault(key, asyncio.get_running_loop().create_future())
             try:
@@ -561,6 +563,8 @@ class HopliteWorker(WorkerPlugin):
         w = self.worker
         assert w is not None
         spec = ReduceSpec.from_msg(spec_msg)
+        if spec.rid in self._aborted:
+            raise RuntimeError(f"reduction {spec.rid} was aborted; no result to copy")
         src_addr, src_key = spec.copy_source(j)
         key = spec.copy_key(j)
         buf = self.store.announce(key)
