@@ -163,10 +163,11 @@ async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: An
         acc.allocate(result_layout(spec.shape, rdt))
         itemsize = max(1, rdt.itemsize)
         block = max(itemsize, spec.block_bytes // itemsize * itemsize)
-        if raw_capable(plugin, spec, children):
-            await _combine_raw(plugin, spec, children, op, rdt, own, acc, block)
+        job = _NodeJob(plugin, spec, children, op, rdt, own, acc, block)
+        if raw_capable(spec, children):
+            await _combine_raw(job)
         else:
-            await _combine_buffered(plugin, spec, children, op, rdt, own, acc, block)
+            await _combine_buffered(job)
         return acc
     except BaseException as e:
         acc.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))
@@ -174,28 +175,66 @@ async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: An
         raise
 
 
-def raw_capable(plugin: HopliteWorker, spec: ReduceSpec, children: list[int]) -> bool:
-    """Whether every child can be read in raw mode (TCP/TLS comms)."""
-    return all(spec.addresses[c].startswith(("tcp://", "tls://")) for c in children)
+@dataclass
+class _NodeJob:
+    """What one inner node combines: its input (in the result dtype), its
+    children, and the buffer it fills in blocks of ``block`` bytes."""
+
+    plugin: HopliteWorker
+    spec: ReduceSpec
+    children: list[int]
+    op: ReduceOp
+    rdt: np.dtype
+    own: np.ndarray
+    acc: ObjectBuffer
+    block: int
+
+    def fields(self) -> tuple[Any, ...]:
+        return (
+            self.plugin,
+            self.spec,
+            self.children,
+            self.op,
+            self.rdt,
+            self.own,
+            self.acc,
+            self.block,
+        )
 
 
-async def _combine_raw(
-    plugin: HopliteWorker,
-    spec: ReduceSpec,
-    children: list[int],
+def _combine_block(
     op: ReduceOp,
     rdt: np.dtype,
     own: np.ndarray,
     acc: ObjectBuffer,
-    block: int,
+    a: int,
+    b: int,
+    parts: list[np.ndarray],
 ) -> None:
+    """Bytes [a, b) of the node's result: own (+) every child's block, written
+    in place (own (+) the first child straight into the output: one pass, no
+    copy), then made visible to the parent."""
+    itemsize = max(1, rdt.itemsize)
+    out = np.frombuffer(acc.writable_view(a, b), dtype=rdt)
+    op.ufunc(own[a // itemsize : b // itemsize], parts[0], out=out)
+    for other in parts[1:]:
+        op.combine(out, other)
+    acc.advance(b)
+
+
+def raw_capable(spec: ReduceSpec, children: list[int]) -> bool:
+    """Whether every child can be read in raw mode (TCP/TLS comms)."""
+    return all(spec.addresses[c].startswith(("tcp://", "tls://")) for c in children)
+
+
+async def _combine_raw(job: _NodeJob) -> None:
     """Read each child's stream block by block into a small scratch buffer and
     combine straight from it (cache-hot, no child-sized allocation)."""
+    plugin, spec, children, op, rdt, own, acc, block = job.fields()
     w = plugin.worker
     assert w is not None
     stall = plugin.config.stall_timeout
     total = acc.nbytes
-    itemsize = max(1, rdt.itemsize)
     opened: list[tuple[str, Comm, IOStream]] = []
     try:
         for c in children:
@@ -217,12 +256,7 @@ async def _combine_raw(
             for (_, comm, stream), sc in zip(opened, scratch, strict=True):
                 await read_raw(stream, sc[: b - a], stall, comm.peer_address)
                 parts.append(np.frombuffer(sc[: b - a], dtype=rdt))
-            out = np.frombuffer(acc.writable_view(a, b), dtype=rdt)
-            # own (+) first child straight into the output: one pass, no copy
-            op.ufunc(own[a // itemsize : b // itemsize], parts[0], out=out)
-            for other in parts[1:]:
-                op.combine(out, other)
-            acc.advance(b)
+            _combine_block(op, rdt, own, acc, a, b, parts)
     except BaseException:
         for _, comm, _ in opened:
             comm.abort()
@@ -231,21 +265,12 @@ async def _combine_raw(
         w.rpc.reuse(addr, comm)
 
 
-async def _combine_buffered(
-    plugin: HopliteWorker,
-    spec: ReduceSpec,
-    children: list[int],
-    op: ReduceOp,
-    rdt: np.dtype,
-    own: np.ndarray,
-    acc: ObjectBuffer,
-    block: int,
-) -> None:
+async def _combine_buffered(job: _NodeJob) -> None:
     """Message mode (comms other than TCP/TLS): stream each child into a full
     buffer and combine as its progress grows."""
+    plugin, spec, children, op, rdt, own, acc, block = job.fields()
     stall = plugin.config.stall_timeout
     total = acc.nbytes
-    itemsize = max(1, rdt.itemsize)
     child_bufs = [ObjectBuffer(spec.partial_key(c), plugin.store.pool) for c in children]
     tasks = [
         asyncio.create_task(_pull(plugin, spec, c, cbuf))
@@ -258,12 +283,8 @@ async def _combine_buffered(
                 if cbuf.progress < b:
                     await wait_progress(cbuf, b - 1, stall)
                     _raise_if_failed(tasks)
-            out = np.frombuffer(acc.writable_view(a, b), dtype=rdt)
-            first, *rest = (np.frombuffer(c.view(a, b), dtype=rdt) for c in child_bufs)
-            op.ufunc(own[a // itemsize : b // itemsize], first, out=out)
-            for other in rest:
-                op.combine(out, other)
-            acc.advance(b)
+            parts = [np.frombuffer(c.view(a, b), dtype=rdt) for c in child_bufs]
+            _combine_block(op, rdt, own, acc, a, b, parts)
         await asyncio.gather(*tasks)
     except BaseException:
         for t in tasks:

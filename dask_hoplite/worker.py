@@ -24,7 +24,7 @@ import copy
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Iterator
 from time import time
 from typing import Any
 
@@ -456,9 +456,9 @@ class HopliteWorker(WorkerPlugin):
                 "message": f"input {key!r} of the reduction is not in memory on {w.address}",
             }
         task = asyncio.create_task(self.run_node_until_sent(s, slot, w.data[key]))
-        self._reductions.setdefault(s.rid, set()).add(task)
         try:
-            await task
+            with self._tracked(s.rid, task):
+                await task
             return {"status": "OK"}
         except ReduceInputError as e:
             return {"status": "error", "input_error": True, "message": str(e)}
@@ -467,12 +467,19 @@ class HopliteWorker(WorkerPlugin):
         except Exception as e:
             logger.warning("reduce node %d of %s failed", slot, s.rid, exc_info=True)
             return {"status": "error", "message": f"{type(e).__name__}: {e}"}
+
+    @contextlib.contextmanager
+    def _tracked(self, rid: str, task: asyncio.Task[Any]) -> Iterator[None]:
+        """Register ``task`` as part of reduction ``rid`` (so an abort cancels it)."""
+        self._reductions.setdefault(rid, set()).add(task)
+        try:
+            yield
         finally:
-            tasks = self._reductions.get(s.rid)
+            tasks = self._reductions.get(rid)
             if tasks is not None:
                 tasks.discard(task)
                 if not tasks:
-                    del self._reductions[s.rid]
+                    del self._reductions[rid]
 
     def handle_reduce_abort(self, rid: str) -> None:
         """RPC ``hoplite_reduce_abort``: stop this worker's nodes of ``rid``
@@ -571,28 +578,31 @@ class HopliteWorker(WorkerPlugin):
         self.announced(key)
         task = asyncio.current_task()
         assert task is not None
-        self._reductions.setdefault(spec.rid, set()).add(task)
         try:
-            async with self._held_until_sent(key, hold=j + 1 < len(spec.copies)):
-                comm = await w.rpc.connect(src_addr)
-                try:
-                    req = StreamRequest(
-                        src_key, 0, spec.block_bytes, None, raw=raw_stream(comm) is not None
-                    )
-                    await receive_stream(comm, buf, req, stall_timeout=self.config.stall_timeout)
-                except BaseException:
-                    comm.abort()
-                    raise
-                w.rpc.reuse(src_addr, comm)
-                result = await self._deserialize(buf)
-            resolve_op(spec.op).finish(result, len(spec.inputs))
-            return result
+            with self._tracked(spec.rid, task):
+                return await self._pull_copy(spec, j, src_addr, src_key, buf)
         except BaseException as e:
             buf.fail(e if isinstance(e, Exception) else RuntimeError("allreduce copy aborted"))
             raise
-        finally:
-            tasks = self._reductions.get(spec.rid)
-            if tasks is not None:
-                tasks.discard(task)
-                if not tasks:
-                    del self._reductions[spec.rid]
+
+    async def _pull_copy(
+        self, spec: ReduceSpec, j: int, src_addr: str, src_key: Key, buf: ObjectBuffer
+    ) -> Any:
+        """Stream copy ``j`` into ``buf``; hold it until copy j+1 has it."""
+        w = self.worker
+        assert w is not None
+        key = spec.copy_key(j)
+        async with self._held_until_sent(key, hold=j + 1 < len(spec.copies)):
+            comm = await w.rpc.connect(src_addr)
+            try:
+                req = StreamRequest(
+                    src_key, 0, spec.block_bytes, None, raw=raw_stream(comm) is not None
+                )
+                await receive_stream(comm, buf, req, stall_timeout=self.config.stall_timeout)
+            except BaseException:
+                comm.abort()
+                raise
+            w.rpc.reuse(src_addr, comm)
+            result = await self._deserialize(buf)
+        resolve_op(spec.op).finish(result, len(spec.inputs))
+        return result

@@ -73,3 +73,26 @@ def test_broadcast_over_inproc_uses_message_mode():
                 assert sum(s.get("keys-received", 0) for s in stats) == 2
 
     asyncio.run(main())
+
+
+def test_reduce_over_inproc_uses_buffered_children():
+    import dask_hoplite as dh
+
+    async def main():
+        async with LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=False, asynchronous=True,
+            dashboard_address=":0",
+        ) as cluster, Client(cluster, asynchronous=True) as c:
+            await c.register_plugin(Hoplite())
+            ws = sorted(cluster.scheduler.workers)
+            arrays = [np.arange(300_000, dtype="f8") * i for i in range(5)]
+            futures = [
+                await c.scatter(a, workers=[ws[i % 3]], hash=False) for i, a in enumerate(arrays)
+            ]
+            total = await dh.reduce(futures, "sum")
+            np.testing.assert_array_equal(await total, sum(arrays))
+            parts = await dh.allreduce(futures, "max")
+            for p in parts:
+                np.testing.assert_array_equal(await p, arrays[-1])
+
+    asyncio.run(main())
