@@ -26,14 +26,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import dask
+import numpy as np
 from dask.base import is_dask_collection
 from distributed import Client, Future, as_completed, default_client, get_worker
 from distributed.utils import sync
 
-from dask_hoplite.config import _get
+from dask_hoplite.config import HopliteConfig, _get
 from dask_hoplite.planner import max_chain_length, plan_reduce_tree
-from dask_hoplite.reduce_ops import resolve_op
-from dask_hoplite.reduction import ReduceSpec
+from dask_hoplite.reduce_ops import reference, resolve_op
+from dask_hoplite.reduction import ReduceInputError, ReduceSpec
 from dask_hoplite.worker import HopliteWorker
 
 _INPUTS_ATTR = "_hoplite_reduced_inputs"
@@ -136,6 +137,10 @@ async def _reduce_async(
             raise RuntimeError(f"input {key!r} of the reduction is not in memory anywhere")
         addresses.append(sorted(holders)[0])
     size = max(int(nbytes.get(key, 0) or 0) for key in keys)
+    if size < HopliteConfig.from_dask_config().min_bytes:
+        # Small objects: a tree costs more round trips than it saves bytes;
+        # one task on the first input's worker, as Dask would do it.
+        return _reduce_small(client, chosen, keys, rop.name, addresses, copies)
     bandwidth = float(dask.utils.parse_bytes(str(_get("reduce.bandwidth"))))
     latency = float(dask.utils.parse_timedelta(_get("reduce.latency")))
     plan = plan_reduce_tree(k, max_chain_length(size, bandwidth, latency))
@@ -178,6 +183,44 @@ async def _reduce_async(
             pure=False,
         )
         for j, addr in enumerate(spec.copies)
+    ]
+
+
+def _reduce_small_task(op: str, keys: list[Any], *arrays: Any) -> np.ndarray:
+    for key, a in zip(keys, arrays, strict=True):
+        if not isinstance(a, (np.ndarray, np.generic)) or a.dtype.fields is not None:
+            raise ReduceInputError(
+                f"input {key!r} of the reduction is a {type(a).__name__}; reductions take "
+                "numpy arrays of a numeric dtype"
+            )
+        first = np.asarray(arrays[0])
+        if a.shape != first.shape or a.dtype != first.dtype:
+            raise ReduceInputError(
+                f"input {key!r} has shape {a.shape} and dtype {a.dtype}, but input "
+                f"{keys[0]!r} has shape {first.shape} and dtype {first.dtype}: all inputs "
+                "of a reduction must have one shape and dtype"
+            )
+    return reference(op, [np.asarray(a) for a in arrays])
+
+
+def _reduce_small(
+    client: Client,
+    chosen: list[Future],
+    keys: list[Any],
+    op: str,
+    addresses: list[str],
+    copies: bool,
+) -> list[Future]:
+    result = client.submit(
+        _reduce_small_task, op, keys, *chosen, workers=[addresses[0]], pure=False
+    )
+    setattr(result, _INPUTS_ATTR, keys)
+    if not copies:
+        return [result]
+    others = sorted(set(addresses) - {addresses[0]})
+    return [result] + [
+        client.submit(_identity, result, workers=[w], allow_other_workers=False, pure=False)
+        for w in others
     ]
 
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
 
 import dask_hoplite.array as dha
+
+
+@pytest.fixture(autouse=True)
+def through_the_tree():
+    """These arrays are small: force the streaming tree (not the one-task path)."""
+    with dask.config.set({"hoplite.min-bytes": 0}):
+        yield
 
 
 def check(got, expected):

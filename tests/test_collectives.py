@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import dask
 import numpy as np
 import pytest
 from distributed import wait
@@ -57,7 +58,8 @@ def cases(draw):
     k = draw(st.integers(1, n))
     noncontig = draw(st.booleans())
     seed = draw(st.integers(0, 2**16))
-    return op, dtype, shape, n, k, noncontig, seed
+    tree = draw(st.booleans())  # the streaming tree, or one task for small objects
+    return op, dtype, shape, n, k, noncontig, seed, tree
 
 
 def make_inputs(dtype, shape, n, noncontig, seed):
@@ -77,10 +79,11 @@ def make_inputs(dtype, shape, n, noncontig, seed):
 )
 @given(case=cases())
 def test_reduce_matches_numpy(client, case):
-    op, dtype, shape, n, k, noncontig, seed = case
+    op, dtype, shape, n, k, noncontig, seed, tree = case
     arrays = make_inputs(dtype, shape, n, noncontig, seed)
     futures = scatter(client, arrays)
-    total = dh.reduce(futures, op, k=None if k == n else k)
+    with dask.config.set({"hoplite.min-bytes": 0 if tree else "1 GiB"}):
+        total = dh.reduce(futures, op, k=None if k == n else k)
     result = total.result()
     used = dh.reduced_inputs(total)
     assert len(used) == k and len(set(used)) == k
@@ -94,7 +97,13 @@ def test_large_arrays_stream_through_the_tree(client):
     assert total.shape == (3_000_000,) and np.all(total == sum(range(8)))
 
 
-def test_allreduce_gather_allgather_broadcast(client):
+@pytest.mark.parametrize("min_bytes", [0, "1 GiB"], ids=["tree", "one-task"])
+def test_allreduce_gather_allgather_broadcast(client, min_bytes):
+    with dask.config.set({"hoplite.min-bytes": min_bytes}):
+        _allreduce_gather_allgather_broadcast(client)
+
+
+def _allreduce_gather_allgather_broadcast(client):
     ws = workers(client)
     arrays = [np.arange(1000) * (i + 1) for i in range(6)]
     futures = scatter(client, arrays)
@@ -112,7 +121,13 @@ def test_allreduce_gather_allgather_broadcast(client):
     assert all(np.array_equal(c.result(), arrays[0]) for c in copies)
 
 
-def test_mismatched_inputs_name_the_offender_and_the_cluster_keeps_working(client):
+@pytest.mark.parametrize("min_bytes", [0, "1 GiB"], ids=["tree", "one-task"])
+def test_mismatched_inputs_name_the_offender_and_the_cluster_keeps_working(client, min_bytes):
+    with dask.config.set({"hoplite.min-bytes": min_bytes}):
+        _mismatched(client)
+
+
+def _mismatched(client):
     good = scatter(client, [np.ones(10), np.ones(10)])
     [bad] = scatter(client, [np.ones(11)])
     with pytest.raises(ReduceInputError, match="has shape .* all inputs of a reduction"):
@@ -161,7 +176,8 @@ def test_delayed_inputs_are_computed_first(client):
 
 def test_a_single_input_is_not_modified_or_shared(client):
     [f] = scatter(client, [np.arange(6, dtype="f8")])
-    mean = dh.reduce([f], "mean").result()
+    with dask.config.set({"hoplite.min-bytes": 0}):  # the tree path: a leaf at the root
+        mean = dh.reduce([f], "mean").result()
     np.testing.assert_array_equal(mean, np.arange(6, dtype="f8"))
     np.testing.assert_array_equal(f.result(), np.arange(6, dtype="f8"))
 
@@ -176,9 +192,11 @@ def test_allreduce_copies_stream_while_reducing_and_land_on_every_worker(client)
         np.testing.assert_array_equal(p.result(), np.full(2_000_000, 2.5))
 
 
-def test_allreduce_of_mismatched_inputs_fails_everywhere(client):
+@pytest.mark.parametrize("min_bytes", [0, "1 GiB"], ids=["tree", "one-task"])
+def test_allreduce_of_mismatched_inputs_fails_everywhere(client, min_bytes):
     futures = scatter(client, [np.ones(10), np.ones(10), np.ones(12)])
-    parts = dh.allreduce(futures, "sum")
+    with dask.config.set({"hoplite.min-bytes": min_bytes}):
+        parts = dh.allreduce(futures, "sum")
     for p in parts:
         with pytest.raises(Exception):  # noqa: B017 - root: ReduceInputError; copies: aborted
             p.result()

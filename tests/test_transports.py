@@ -79,10 +79,16 @@ def test_reduce_over_inproc_uses_buffered_children():
     import dask_hoplite as dh
 
     async def main():
-        async with LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=False, asynchronous=True,
-            dashboard_address=":0",
-        ) as cluster, Client(cluster, asynchronous=True) as c:
+        async with (
+            LocalCluster(
+                n_workers=3,
+                threads_per_worker=1,
+                processes=False,
+                asynchronous=True,
+                dashboard_address=":0",
+            ) as cluster,
+            Client(cluster, asynchronous=True) as c,
+        ):
             await c.register_plugin(Hoplite())
             ws = sorted(cluster.scheduler.workers)
             arrays = [np.arange(300_000, dtype="f8") * i for i in range(5)]
