@@ -4,7 +4,9 @@ own security settings) and inproc (message mode, with acknowledgements)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
+import dask
 import numpy as np
 from distributed import Client, LocalCluster, wait
 from distributed.security import Security
@@ -43,22 +45,28 @@ async def test_broadcast_over_tls(c, s, a, b, d):
     assert [w.plugins["hoplite-worker"].stats.get("keys-received") for w in (b, d)] == [1, 1]
 
 
+@contextlib.asynccontextmanager
+async def inproc_cluster():
+    """3 in-process workers over the inproc comm (message mode), plugin registered."""
+    async with (
+        LocalCluster(
+            n_workers=3,
+            threads_per_worker=1,
+            processes=False,
+            asynchronous=True,
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster, asynchronous=True) as c,
+    ):
+        assert cluster.scheduler.address.startswith("inproc://")
+        await c.register_plugin(Hoplite())
+        yield cluster, c
+
+
 def test_broadcast_over_inproc_uses_message_mode():
     async def main():
-        with_cfg = __import__("dask").config.set(SMALL)
-        with with_cfg:
-            async with (
-                LocalCluster(
-                    n_workers=3,
-                    threads_per_worker=1,
-                    processes=False,
-                    asynchronous=True,
-                    dashboard_address=":0",
-                ) as cluster,
-                Client(cluster, asynchronous=True) as c,
-            ):
-                assert cluster.scheduler.address.startswith("inproc://")
-                await c.register_plugin(Hoplite())
+        with dask.config.set(SMALL):
+            async with inproc_cluster() as (cluster, c):
                 ws = sorted(cluster.scheduler.workers)
                 x = c.submit(np.arange, 500_000, workers=[ws[0]])
                 await wait(x)
@@ -79,17 +87,7 @@ def test_reduce_over_inproc_uses_buffered_children():
     import dask_hoplite as dh
 
     async def main():
-        async with (
-            LocalCluster(
-                n_workers=3,
-                threads_per_worker=1,
-                processes=False,
-                asynchronous=True,
-                dashboard_address=":0",
-            ) as cluster,
-            Client(cluster, asynchronous=True) as c,
-        ):
-            await c.register_plugin(Hoplite())
+        async with inproc_cluster() as (cluster, c):
             ws = sorted(cluster.scheduler.workers)
             arrays = [np.arange(300_000, dtype="f8") * i for i in range(5)]
             futures = [
