@@ -25,16 +25,15 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import dask
 import numpy as np
 from dask.base import is_dask_collection
 from distributed import Client, Future, as_completed, default_client, get_worker
 from distributed.utils import sync
 
-from dask_hoplite.config import HopliteConfig, _get
+from dask_hoplite.config import HopliteConfig
 from dask_hoplite.planner import max_chain_length, plan_reduce_tree
 from dask_hoplite.reduce_ops import reference, resolve_op
-from dask_hoplite.reduction import ReduceInputError, ReduceSpec
+from dask_hoplite.reduction import ReduceSpec, check_input
 from dask_hoplite.worker import HopliteWorker
 
 _INPUTS_ATTR = "_hoplite_reduced_inputs"
@@ -76,8 +75,8 @@ def _as_list(*xs: Any) -> list[Any]:
     return list(xs)
 
 
-def _allreduce_copy(spec: dict[str, Any], j: int) -> Any:
-    """The Dask task of allreduce copy ``j`` (runs on that copy's worker)."""
+def _on_worker_plugin(method: str, *args: Any) -> Any:
+    """Run the worker part's coroutine ``method`` from a task's thread."""
     w = get_worker()
     plugin = w.plugins.get("hoplite-worker")
     if not isinstance(plugin, HopliteWorker):
@@ -85,19 +84,17 @@ def _allreduce_copy(spec: dict[str, Any], j: int) -> Any:
             f"dask-hoplite's worker part is not installed on {w.address}: "
             "register dask_hoplite.Hoplite() first"
         )
-    return sync(w.loop, plugin.pull_copy, spec, j)
+    return sync(w.loop, getattr(plugin, method), *args)
+
+
+def _allreduce_copy(spec: dict[str, Any], j: int) -> Any:
+    """The Dask task of allreduce copy ``j`` (runs on that copy's worker)."""
+    return _on_worker_plugin("pull_copy", spec, j)
 
 
 def _reduce_root(value: Any, spec: dict[str, Any]) -> Any:
     """The Dask task of a reduction's root (runs on the root input's worker)."""
-    w = get_worker()
-    plugin = w.plugins.get("hoplite-worker")
-    if not isinstance(plugin, HopliteWorker):
-        raise RuntimeError(
-            "dask-hoplite's worker part is not installed on "
-            f"{w.address}: register dask_hoplite.Hoplite() first"
-        )
-    return sync(w.loop, plugin.run_reduction, value, spec)
+    return _on_worker_plugin("run_reduction", value, spec)
 
 
 async def _reduce_async(
@@ -137,14 +134,12 @@ async def _reduce_async(
             raise RuntimeError(f"input {key!r} of the reduction is not in memory anywhere")
         addresses.append(sorted(holders)[0])
     size = max(int(nbytes.get(key, 0) or 0) for key in keys)
-    if size < HopliteConfig.from_dask_config().min_bytes:
+    cfg = HopliteConfig.from_dask_config()
+    if size < cfg.min_bytes:
         # Small objects: a tree costs more round trips than it saves bytes;
         # one task on the first input's worker, as Dask would do it.
         return _reduce_small(client, chosen, keys, rop.name, addresses, copies)
-    bandwidth = float(dask.utils.parse_bytes(str(_get("reduce.bandwidth"))))
-    latency = float(dask.utils.parse_timedelta(_get("reduce.latency")))
-    plan = plan_reduce_tree(k, max_chain_length(size, bandwidth, latency))
-    block = int(dask.utils.parse_bytes(str(_get("block-bytes"))))
+    plan = plan_reduce_tree(k, max_chain_length(size, cfg.reduce_bandwidth, cfg.reduce_latency))
     spec = ReduceSpec(
         rid=uuid.uuid4().hex,
         op=rop.name,
@@ -153,7 +148,7 @@ async def _reduce_async(
         parent=plan.parent,
         shape=(),
         dtype="",
-        block_bytes=block,
+        block_bytes=cfg.block_bytes,
     )
     root = plan.root
     if copies:
@@ -187,20 +182,10 @@ async def _reduce_async(
 
 
 def _reduce_small_task(op: str, keys: list[Any], *arrays: Any) -> np.ndarray:
-    for key, a in zip(keys, arrays, strict=True):
-        if not isinstance(a, (np.ndarray, np.generic)) or a.dtype.fields is not None:
-            raise ReduceInputError(
-                f"input {key!r} of the reduction is a {type(a).__name__}; reductions take "
-                "numpy arrays of a numeric dtype"
-            )
-        first = np.asarray(arrays[0])
-        if a.shape != first.shape or a.dtype != first.dtype:
-            raise ReduceInputError(
-                f"input {key!r} has shape {a.shape} and dtype {a.dtype}, but input "
-                f"{keys[0]!r} has shape {first.shape} and dtype {first.dtype}: all inputs "
-                "of a reduction must have one shape and dtype"
-            )
-    return reference(op, [np.asarray(a) for a in arrays])
+    first = check_input(arrays[0], keys[0])
+    like = (keys[0], first.shape, first.dtype)
+    rest = [check_input(a, key, like) for key, a in zip(keys[1:], arrays[1:], strict=True)]
+    return reference(op, [first, *rest])
 
 
 def _reduce_small(

@@ -62,6 +62,8 @@ class HopliteConfig:
     protect_streams: bool
     buffer_pool_bytes: int
     buffer_pool_idle: float
+    reduce_bandwidth: float  # bytes per second
+    reduce_latency: float  # seconds per hop
 
     @classmethod
     def from_dask_config(cls) -> HopliteConfig:
@@ -95,6 +97,8 @@ class HopliteConfig:
             protect_streams=bool(_get("amm.protect-streams")),
             buffer_pool_bytes=_bytes("buffer-pool-bytes"),
             buffer_pool_idle=_seconds("buffer-pool-idle"),
+            reduce_bandwidth=float(_bytes("reduce.bandwidth")),
+            reduce_latency=_seconds("reduce.latency"),
         )
 
     def block_size_for(self, nbytes: int) -> int:

@@ -120,22 +120,35 @@ def result_layout(shape: tuple[int, ...], dtype: np.dtype) -> Layout:
     return Layout(header, tuple(memoryview(f).nbytes for f in frames))
 
 
-def _operand(value: Any, spec: ReduceSpec, slot: int, rdt: np.dtype) -> np.ndarray:
-    """The node's own input as a flat C-contiguous array of the result dtype."""
-    key = spec.inputs[slot]
+def check_input(
+    value: Any, key: Key, like: tuple[Key, tuple[int, ...], Any] | None = None
+) -> np.ndarray:
+    """``value`` as a numpy array, or a :class:`ReduceInputError` naming ``key``
+    when it is not a numeric numpy array or, given ``like = (reference key,
+    shape, dtype)``, has another shape or dtype than that reference input."""
     if isinstance(value, np.generic):  # Dask may hand 0-d arrays over as scalars
         value = np.asarray(value)
-    if not isinstance(value, np.ndarray):
+    if not isinstance(value, np.ndarray) or value.dtype.fields is not None:
         raise ReduceInputError(
-            f"input {key!r} of the reduction is a {type(value).__name__}, not a numpy array"
+            f"input {key!r} of the reduction is a "
+            f"{getattr(value, 'dtype', type(value).__name__)}; reductions take numpy "
+            "arrays of a numeric dtype"
         )
-    if value.shape != spec.shape or value.dtype != np.dtype(spec.dtype):
-        root = spec.inputs[spec.root]
-        raise ReduceInputError(
-            f"input {key!r} has shape {value.shape} and dtype {value.dtype}, but input "
-            f"{root!r} has shape {spec.shape} and dtype {np.dtype(spec.dtype)}: all inputs "
-            "of a reduction must have one shape and dtype"
-        )
+    if like is not None:
+        ref_key, shape, dtype = like
+        if value.shape != tuple(shape) or value.dtype != np.dtype(dtype):
+            raise ReduceInputError(
+                f"input {key!r} has shape {value.shape} and dtype {value.dtype}, but input "
+                f"{ref_key!r} has shape {tuple(shape)} and dtype {np.dtype(dtype)}: all "
+                "inputs of a reduction must have one shape and dtype"
+            )
+    return value
+
+
+def _operand(value: Any, spec: ReduceSpec, slot: int, rdt: np.dtype) -> np.ndarray:
+    """The node's own input as a flat C-contiguous array of the result dtype."""
+    like = (spec.inputs[spec.root], spec.shape, spec.dtype)
+    value = check_input(value, spec.inputs[slot], like)
     return np.ascontiguousarray(value, dtype=rdt).reshape(-1)
 
 

@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator, Collection, Iterator
 from time import time
 from typing import Any
 
-import numpy as np
 from distributed import WorkerPlugin
 from distributed.comm.core import Comm, CommClosedError
 from distributed.core import Status
@@ -48,7 +47,13 @@ from dask_hoplite.protocol import (
     error_reply,
 )
 from dask_hoplite.reduce_ops import resolve_op
-from dask_hoplite.reduction import ReduceInputError, ReduceSpec, is_partial_key, run_node
+from dask_hoplite.reduction import (
+    ReduceInputError,
+    ReduceSpec,
+    check_input,
+    is_partial_key,
+    run_node,
+)
 from dask_hoplite.store import BlockStore, BufferPool, BufferState, ObjectBuffer
 from dask_hoplite.streams import raw_stream, receive_stream, send_stream, wait_progress
 
@@ -507,14 +512,7 @@ class HopliteWorker(WorkerPlugin):
         spec = ReduceSpec.from_msg(spec_msg)
         root = spec.root
         op = resolve_op(spec.op)
-        if isinstance(value, np.generic):  # Dask may hand 0-d arrays over as scalars
-            value = np.asarray(value)
-        if not isinstance(value, np.ndarray) or value.dtype.fields is not None:
-            raise ReduceInputError(
-                f"input {spec.inputs[root]!r} of the reduction is a "
-                f"{getattr(value, 'dtype', type(value).__name__)}; reductions take numpy "
-                "arrays of a numeric dtype"
-            )
+        value = check_input(value, spec.inputs[root])
         # The root's input defines the shape and dtype every input must have.
         spec = dataclasses.replace(spec, shape=value.shape, dtype=value.dtype.str)
 
