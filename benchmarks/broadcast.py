@@ -93,10 +93,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
     with Client(ec.scheduler_address, timeout=60) as client:
         if method.startswith("hoplite"):
             client.register_plugin(dask_hoplite.Hoplite())
-        workers = sorted(
-            client.scheduler_info(n_workers=-1)["workers"],
-            key=lambda a: int(a.split(".")[-1].split(":")[0]),
-        )
+        workers = ec.worker_addresses(client)
         src, receivers = workers[0], workers[1:]
         src_role = "w0"
         pids = ec.pids()

@@ -30,6 +30,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +294,13 @@ class EmulatedCluster:
     def stop_dask(self) -> None:
         for h in self.hosts.values():
             self._kill(h)
+
+    def worker_addresses(self, client: Any) -> list[str]:
+        """The Dask worker addresses in host order: element i runs on host ``w{i}``."""
+        host_of = {h.address: role for role, h in self.hosts.items()}
+        addrs = client.scheduler_info(n_workers=-1)["workers"]
+        by_role = {host_of[a.split("://")[-1].rsplit(":", 1)[0]]: a for a in addrs}
+        return [by_role[f"w{i}"] for i in range(self.n_workers)]
 
     def pids(self) -> list[int]:
         """PIDs of the Dask processes (children of ``ip netns exec``)."""

@@ -108,10 +108,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
     with Client(ec.scheduler_address, timeout=60) as client:
         if method.startswith("hoplite"):
             client.register_plugin(dh.Hoplite())
-        workers = sorted(
-            client.scheduler_info(n_workers=-1)["workers"],
-            key=lambda a: int(a.split(".")[-1].split(":")[0]),
-        )
+        workers = ec.worker_addresses(client)
         pids = ec.pids()
         expected = float(n * (n + 1) / 2)
         for _rep in range(reps + 1):  # rep 0 is cold
