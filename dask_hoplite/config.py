@@ -64,6 +64,8 @@ class HopliteConfig:
     buffer_pool_idle: float
     reduce_bandwidth: float  # bytes per second
     reduce_latency: float  # seconds per hop
+    array_reductions: bool
+    array_max_inputs: int
 
     @classmethod
     def from_dask_config(cls) -> HopliteConfig:
@@ -85,6 +87,9 @@ class HopliteConfig:
             raise ValueError(
                 f"hoplite.window-bytes ({window}) must be at least hoplite.block-bytes ({block})"
             )
+        max_inputs = int(_get("array.max-inputs"))
+        if max_inputs < 2:
+            raise ValueError(f"hoplite.array.max-inputs must be >= 2, got {max_inputs}")
         return cls(
             min_bytes=_bytes("min-bytes"),
             block_bytes=block,
@@ -99,6 +104,8 @@ class HopliteConfig:
             buffer_pool_idle=_seconds("buffer-pool-idle"),
             reduce_bandwidth=float(_bytes("reduce.bandwidth")),
             reduce_latency=_seconds("reduce.latency"),
+            array_reductions=bool(_get("array.reductions")),
+            array_max_inputs=max_inputs,
         )
 
     def block_size_for(self, nbytes: int) -> int:

@@ -62,6 +62,9 @@ class ReduceSpec:
     #: chain order (the first streams the root's partial result, each next one
     #: streams the copy before it).
     copies: tuple[str, ...] = ()
+    #: Inputs are dicts of arrays (e.g. the per-chunk results of a dask.array
+    #: mean): reduce this entry of each.
+    field: str | None = None
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -74,6 +77,7 @@ class ReduceSpec:
             "dtype": self.dtype,
             "block_bytes": self.block_bytes,
             "copies": list(self.copies),
+            "field": self.field,
         }
 
     @classmethod
@@ -88,6 +92,7 @@ class ReduceSpec:
             m["dtype"],
             int(m["block_bytes"]),
             tuple(m.get("copies") or ()),
+            m.get("field"),
         )
 
     def children(self, slot: int) -> list[int]:
@@ -118,6 +123,17 @@ def is_partial_key(key: object) -> bool:
 def result_layout(shape: tuple[int, ...], dtype: np.dtype) -> Layout:
     header, frames = serialize(np.empty(shape, dtype=dtype), serializers=("dask",))
     return Layout(header, tuple(memoryview(f).nbytes for f in frames))
+
+
+def select_field(value: Any, field: str | None, key: Key) -> Any:
+    """The operand of input ``key``: the value itself, or its entry ``field``."""
+    if field is None:
+        return value
+    if not isinstance(value, dict) or field not in value:
+        raise ReduceInputError(
+            f"input {key!r} of the reduction is a {type(value).__name__} without an entry {field!r}"
+        )
+    return value[field]
 
 
 def check_input(

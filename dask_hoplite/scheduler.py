@@ -24,6 +24,7 @@ from dask_hoplite._version import __version__
 from dask_hoplite.compat import check_distributed_version
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.directory import Assign, Decision, Missing, ObjectDirectory, Queued
+from dask_hoplite.graph_reduce import rewrite_graph
 from dask_hoplite.protocol import PROTOCOL_VERSION
 from dask_hoplite.worker import PLUGIN_NAME as WORKER_PLUGIN_NAME
 from dask_hoplite.worker import HopliteWorker
@@ -126,6 +127,10 @@ class Hoplite(SchedulerPlugin):
         s.handlers["replicate"] = self.replicate
         s.replicate = self.replicate  # type: ignore[method-assign]  # scatter(broadcast=True)
 
+        if self.config.array_reductions:
+            self._originals["_create_taskstate_from_graph"] = s._create_taskstate_from_graph
+            s._create_taskstate_from_graph = self._create_taskstate_from_graph  # type: ignore[method-assign]
+
         amm = s.extensions.get("amm")
         if amm is not None and self.config.protect_streams:
             self._originals["amm"] = amm
@@ -143,6 +148,8 @@ class Hoplite(SchedulerPlugin):
         if "replicate" in self._originals:
             s.handlers["replicate"] = self._originals.pop("replicate")
             s.__dict__.pop("replicate", None)
+        if self._originals.pop("_create_taskstate_from_graph", None) is not None:
+            s.__dict__.pop("_create_taskstate_from_graph", None)
         amm = self._originals.pop("amm", None)
         if amm is not None:
             amm._find_dropper = self._originals.pop("_find_dropper")
@@ -161,6 +168,29 @@ class Hoplite(SchedulerPlugin):
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         if self.directory is not None:
             self._act(self.directory.worker_removed(worker))
+
+    def _create_taskstate_from_graph(self, **kwargs: Any) -> Any:
+        """The scheduler's entry point for a submitted graph (after all
+        optimisation, before any task state exists), with dask.array
+        reduction aggregates rewritten into pipelined reductions (see
+        :mod:`dask_hoplite.graph_reduce`)."""
+        original = self._originals["_create_taskstate_from_graph"]
+        try:
+            dsk, n = rewrite_graph(kwargs["dsk"], kwargs["keys"], self.config.array_max_inputs)
+        except Exception:
+            logger.exception("hoplite could not rewrite a graph; running it as submitted")
+        else:
+            if n:
+                logger.debug("%d dask.array aggregates run as hoplite reductions", n)
+                kwargs["dsk"] = dsk
+                # A task taken out of a fused one is ordered with its dependent.
+                ordered = kwargs.get("ordered")
+                if ordered:
+                    for k, t in dsk.items():
+                        for d in getattr(t, "dependencies", ()):
+                            if d not in ordered and k in ordered:
+                                ordered[d] = ordered[k]
+        return original(**kwargs)
 
     # ---------------------------------------------------- worker handlers
 

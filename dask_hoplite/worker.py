@@ -22,23 +22,32 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterator
 from time import time
 from typing import Any
 
-from distributed import WorkerPlugin
+from dask._task_spec import Task
+from distributed import Reschedule, WorkerPlugin, get_worker
 from distributed.comm.core import Comm, CommClosedError
 from distributed.core import Status
 from distributed.protocol import deserialize, serialize
-from distributed.utils import offload
-from distributed.worker import WORKER_ANY_RUNNING, Worker
-from distributed.worker_state_machine import GatherDepSuccessEvent, StateMachineEvent
+from distributed.utils import offload, sync
+from distributed.worker import WORKER_ANY_RUNNING, Worker, get_data_from_worker
+from distributed.worker_state_machine import (
+    ComputeTaskEvent,
+    GatherDepSuccessEvent,
+    StateMachineEvent,
+)
 from tornado.ioloop import PeriodicCallback
 
 from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
+from dask_hoplite.graph_reduce import GraphReduce
+from dask_hoplite.planner import max_chain_length, plan_reduce_tree
 from dask_hoplite.protocol import (
     PROTOCOL_VERSION,
     STREAM_OP,
@@ -53,6 +62,7 @@ from dask_hoplite.reduction import (
     check_input,
     is_partial_key,
     run_node,
+    select_field,
 )
 from dask_hoplite.store import BlockStore, BufferPool, BufferState, ObjectBuffer
 from dask_hoplite.streams import raw_stream, receive_stream, send_stream, wait_progress
@@ -89,6 +99,7 @@ class HopliteWorker(WorkerPlugin):
         self.stats: dict[str, int] = {}
         self._orig_gather_dep: Any = None
         self._orig_gather: Any = None
+        self._orig_handle_stimulus: Any = None
         self._fetching: dict[Key, asyncio.Future[None]] = {}
         #: The latest transfers into this worker: key, sender, bytes, and wall
         #: times of the directory request, the assignment and the last byte.
@@ -125,6 +136,8 @@ class HopliteWorker(WorkerPlugin):
         worker.handlers["hoplite_worker_info"] = self.info
         worker.handlers["hoplite_reduce_node"] = self.handle_reduce_node
         worker.handlers["hoplite_reduce_abort"] = self.handle_reduce_abort
+        self._orig_handle_stimulus = worker.handle_stimulus
+        worker.handle_stimulus = self.handle_stimulus  # type: ignore[method-assign]
         trim = PeriodicCallback(self._trim_pool, 1000 * min(1.0, self.config.buffer_pool_idle))
         worker.periodic_callbacks[_TRIM_CALLBACK] = trim
         trim.start()
@@ -137,6 +150,8 @@ class HopliteWorker(WorkerPlugin):
             del worker.gather_dep
         if worker.handlers.get("gather") == self.handle_gather:
             worker.handlers["gather"] = self._orig_gather
+        if worker.__dict__.get("handle_stimulus") == self.handle_stimulus:
+            del worker.handle_stimulus
         if worker.handlers.get(STREAM_OP) == self.handle_stream:
             del worker.handlers[STREAM_OP]
         for name, h in [
@@ -417,6 +432,114 @@ class HopliteWorker(WorkerPlugin):
             "version": __version__,
         }
 
+    # ------------------------------------------------- dask.array reductions
+
+    def handle_stimulus(self, *stims: StateMachineEvent) -> None:
+        """Dask's ``Worker.handle_stimulus``, with the aggregate tasks of
+        dask.array reductions (see :mod:`dask_hoplite.graph_reduce`) taken over
+        when their inputs are large: the task no longer depends on fetching the
+        inputs here; it reduces them where they live."""
+        self._orig_handle_stimulus(*(self._take_over_reduce(ev) for ev in stims))
+
+    def _take_over_reduce(self, ev: StateMachineEvent) -> StateMachineEvent:
+        w = self.worker
+        if not isinstance(ev, ComputeTaskEvent) or w is None:
+            return ev
+        spec = ev.run_spec
+        fn = getattr(spec, "func", None)
+        if not isinstance(spec, Task) or not isinstance(fn, GraphReduce):
+            return ev
+        keys = [a.key for a in spec.args]  # TaskRefs, in the order of the parts
+        if (
+            len(keys) < 2
+            or set(keys) != set(ev.who_has)
+            or max(ev.nbytes.values(), default=0) < self.config.min_bytes
+            or all(w.address in ev.who_has[k] for k in keys)
+        ):
+            return ev
+        who_has = {k: list(v) for k, v in ev.who_has.items()}
+        run = functools.partial(_run_graph_reduce, fn, keys, who_has, dict(ev.nbytes))
+        self._count("array-reductions")
+        logger.debug("%r: reducing %d inputs where they live", ev.key, len(keys))
+        return dataclasses.replace(ev, who_has={}, nbytes={}, run_spec=Task(ev.key, run))
+
+    async def graph_reduce(
+        self, fn: GraphReduce, keys: list[Key], who_has: dict[Key, list[str]], size: int
+    ) -> Any:
+        """Combine the parts ``keys`` elementwise with a reduce tree rooted
+        here; returns the combined part (a dict of arrays for dict parts).
+        Raises :class:`ReduceInputError` when the parts do not suit a tree (the
+        caller then runs Dask's own aggregate on fetched parts)."""
+        w = self.worker
+        assert w is not None
+        me = w.address
+        addresses = [me if me in who_has[k] else sorted(who_has[k])[0] for k in keys]
+        local = [i for i, a in enumerate(addresses) if a == me]
+        if not local:
+            raise ReduceInputError("no input of the reduction is on this worker")
+        n = len(keys)
+        plan = plan_reduce_tree(
+            n, max_chain_length(size, self.config.reduce_bandwidth, self.config.reduce_latency)
+        )
+        # A local part at the root's slot: its value is the root's operand.
+        order = list(range(n))
+        order[plan.root], order[local[0]] = order[local[0]], order[plan.root]
+        inputs = tuple(keys[i] for i in order)
+        first = w.data[inputs[plan.root]]
+        fields: tuple[str | None, ...] = fn.fields or (None,)
+        operands = []
+        for field in fields:
+            operand = check_input(select_field(first, field, inputs[plan.root]), inputs[0])
+            if not fn.parts_fit(operand.shape):
+                raise ReduceInputError(
+                    f"input {inputs[plan.root]!r} has extent != 1 along the reduced axes"
+                )
+            operands.append(operand)
+        rid = uuid.uuid4().hex
+        specs = [
+            ReduceSpec(
+                rid=f"{rid}-{j}",
+                op=fn.op,
+                inputs=inputs,
+                addresses=tuple(addresses[i] for i in order),
+                parent=plan.parent,
+                shape=(),
+                dtype="",
+                block_bytes=self.config.block_bytes,
+                field=field,
+            )
+            for j, field in enumerate(fields)
+        ]
+        results = await asyncio.gather(
+            *(self.run_reduction(v, sp.to_msg()) for v, sp in zip(operands, specs, strict=True))
+        )
+        return results[0] if fn.fields is None else dict(zip(fn.fields, results, strict=True))
+
+    async def fetch_parts(self, keys: list[Key], who_has: dict[Key, list[str]]) -> list[Any]:
+        """The values of ``keys``, fetched here (the fallback of
+        :meth:`graph_reduce`). Raises :class:`distributed.Reschedule` when a
+        part cannot be had from any holder (the scheduler then recomputes it
+        from its lineage and runs the task again)."""
+        w = self.worker
+        assert w is not None
+        out: dict[Key, Any] = {k: w.data[k] for k in keys if k in w.data}
+        for key in keys:
+            if key in out:
+                continue
+            ok, value = await self.fetch(key)
+            if ok:
+                out[key] = value
+                continue
+            for holder in who_has[key]:
+                with contextlib.suppress(OSError, CommClosedError, asyncio.TimeoutError):
+                    resp = await get_data_from_worker(w.rpc, [key], holder, who=w.address)
+                    if resp["status"] == "OK" and key in resp["data"]:
+                        out[key] = resp["data"][key]
+                        break
+            else:
+                raise Reschedule()
+        return [out[k] for k in keys]
+
     # ------------------------------------------------------------- reduce
 
     def announced(self, key: Key) -> None:
@@ -460,7 +583,11 @@ class HopliteWorker(WorkerPlugin):
                 "status": "error",
                 "message": f"input {key!r} of the reduction is not in memory on {w.address}",
             }
-        task = asyncio.create_task(self.run_node_until_sent(s, slot, w.data[key]))
+        try:
+            value = select_field(w.data[key], s.field, key)
+        except ReduceInputError as e:
+            return {"status": "error", "input_error": True, "message": str(e)}
+        task = asyncio.create_task(self.run_node_until_sent(s, slot, value))
         try:
             with self._tracked(s.rid, task):
                 await task
@@ -604,3 +731,29 @@ class HopliteWorker(WorkerPlugin):
             result = await self._deserialize(buf)
         resolve_op(spec.op).finish(result, len(spec.inputs))
         return result
+
+
+def _run_graph_reduce(
+    fn: GraphReduce, keys: list[Key], who_has: dict[Key, list[str]], nbytes: dict[Key, int]
+) -> Any:
+    """The task a worker runs in place of a dask.array aggregate it took over:
+    a reduce tree over the parts where they live, then the aggregate's own
+    finishing step; on any failure of the tree, Dask's way (fetch the parts
+    here, run the aggregate)."""
+    w = get_worker()
+    plugin = w.plugins.get(PLUGIN_NAME)
+    if isinstance(plugin, HopliteWorker) and plugin.worker is w:
+        try:
+            combined = sync(w.loop, plugin.graph_reduce, fn, keys, who_has, max(nbytes.values()))
+            return fn.finish(combined)
+        except ReduceInputError as e:
+            logger.info("%r: computing the aggregate on fetched inputs (%s)", fn, e)
+        except Exception as e:
+            logger.warning(
+                "%r: reduce tree failed (%s: %s); fetching the inputs", fn, type(e).__name__, e
+            )
+        plugin._count("array-reduction-fallbacks")
+        values = sync(w.loop, plugin.fetch_parts, keys, who_has)
+    else:  # the plugin went away after the task arrived
+        raise Reschedule()
+    return fn(*values)

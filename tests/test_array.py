@@ -1,4 +1,5 @@
-"""dask.array reductions through hoplite's reduce trees give what Dask gives."""
+"""dask.array reductions written as usual run as hoplite reduce trees and give
+what Dask gives."""
 
 from __future__ import annotations
 
@@ -6,54 +7,176 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask._task_spec import convert_legacy_graph, execute_graph
+from dask.array.optimization import optimize
+from distributed import Client, LocalCluster
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import dask_hoplite.array as dha
+import dask_hoplite as dh
+from dask_hoplite.graph_reduce import GraphReduce, recognize, rewrite_graph
+
+OPS = ["sum", "prod", "min", "max", "mean"]
 
 
-@pytest.fixture(autouse=True)
-def through_the_tree():
-    """These arrays are small: force the streaming tree (not the one-task path)."""
-    with dask.config.set({"hoplite.min-bytes": 0}):
-        yield
+@pytest.fixture(scope="module")
+def cluster_client():
+    """3 in-process workers; parts of at least 1 KiB take the tree."""
+    with (
+        dask.config.set({"hoplite.min-bytes": "1 KiB"}),
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        c.register_plugin(dh.Hoplite())
+        yield c
+
+
+def taken_over(client: Client) -> int:
+    """How many aggregate tasks the workers have run as reduce trees so far."""
+    stats = client.run(lambda dask_worker: dask_worker.plugins["hoplite-worker"].stats)
+    return sum(s.get("array-reductions", 0) for s in stats.values())
 
 
 def check(got, expected):
     assert got.shape == expected.shape and got.dtype == expected.dtype, (got, expected)
-    if expected.dtype.kind == "f":
+    if expected.dtype.kind in "fc":
         np.testing.assert_allclose(got, expected, rtol=1e-5)
     else:
         np.testing.assert_array_equal(got, expected)
 
 
-@pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "mean"])
-def test_stacked_arrays_reduced_along_the_stacking_axis(client, op):
+def stacked(arrays):
+    """One chunk per array, stacked along a new axis 0."""
+    return da.stack([da.from_array(a, chunks=-1) for a in arrays])
+
+
+def spread(client, arrays):
+    """Like :func:`stacked`, with the chunks spread over the workers (what a
+    user builds from per-worker results)."""
+    futures = client.scatter(list(arrays), hash=False)
+    assert len({w for ws in client.who_has(futures).values() for w in ws}) > 1
+    return da.stack(
+        [
+            da.from_delayed(f, shape=a.shape, dtype=a.dtype)
+            for f, a in zip(futures, arrays, strict=True)
+        ]
+    )
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", ["i1", "i8", "u2", "f4", "f8", "?"])
+def test_unchanged_user_code_runs_as_a_reduce_tree(cluster_client, op, dtype):
     rng = np.random.default_rng(1)
-    arrays = [rng.integers(1, 3, 50_000).astype("i8") for _ in range(8)]
-    x = da.stack([da.from_array(a, chunks=-1) for a in arrays])  # 8 chunks of (1, 50000)
-    got = getattr(dha, op)(x, axis=0).result()
-    check(got, getattr(x, op)(axis=0).compute())
+    arrays = [rng.integers(0, 3, 4_000).astype(dtype) for _ in range(8)]
+    before = taken_over(cluster_client)
+    got = getattr(spread(cluster_client, arrays), op)(axis=0).compute()
+    assert taken_over(cluster_client) == before + 1
+    with dask.config.set(scheduler="sync"):
+        check(got, getattr(stacked(arrays), op)(axis=0).compute())  # Dask alone, no plugin
     check(got, getattr(np, op)(np.stack(arrays), axis=0))
 
 
-@pytest.mark.parametrize("axis", [0, 1, -1])
-def test_chunked_in_every_dimension(client, axis):
-    a = np.random.default_rng(2).random((6, 40, 30)).astype("f4")
-    x = da.from_array(a, chunks=(2, 20, 15))
-    check(dha.sum(x, axis=axis).result(), x.sum(axis=axis).compute())
-    check(dha.mean(x, axis=axis).result(), x.mean(axis=axis).compute())
+def test_the_inputs_are_not_fetched_into_one_worker(cluster_client):
+    arrays = [np.full(50_000, i, dtype="f8") for i in range(6)]
+    x = spread(cluster_client, arrays)
+    fut = cluster_client.compute(x.sum(axis=0))
+    check(fut.result(), np.stack(arrays).sum(axis=0))
+    # Dask's own transfers of the per-chunk sums: none (each is 400 kB).
+    logs = cluster_client.run(
+        lambda dask_worker: [
+            k for t in dask_worker.transfer_incoming_log for k in t["keys"] if "sum" in str(k)
+        ]
+    )
+    assert all(not keys for keys in logs.values()), logs
 
 
-def test_small_integer_dtypes_promote_like_numpy(client):
-    a = np.arange(64, dtype="i1").reshape(8, 8)
-    x = da.from_array(a, chunks=(1, 8))
-    check(dha.sum(x, axis=0).result(), a.sum(axis=0))
+@pytest.mark.parametrize("axis", [0, 1, -1, (0, 1)])
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_chunked_in_every_dimension(cluster_client, axis, op):
+    a = np.random.default_rng(2).random((6, 40, 300)).astype("f4")
+    x = da.from_array(a, chunks=(2, 20, 150)).persist()
+    check(getattr(x, op)(axis=axis).compute(), getattr(a, op)(axis=axis))
 
 
-def test_bad_arguments(client):
-    x = da.ones((4, 4), chunks=2)
-    with pytest.raises(ValueError, match="op must be one of"):
-        dha.reduction(x, "median")
-    with pytest.raises(ValueError, match="axis must be an int"):
-        dha.sum(x, axis=2)
-    with pytest.raises(TypeError, match="dask.array.Array"):
-        dha.sum(np.ones(3))
+def test_deep_dask_trees_collapse_into_one_reduction(cluster_client):
+    arrays = [np.arange(1_000, dtype="i8") * i for i in range(20)]  # 3 levels of split_every=4
+    x = spread(cluster_client, arrays)
+    before = taken_over(cluster_client)
+    check(x.sum(axis=0).compute(), np.stack(arrays).sum(axis=0))
+    assert taken_over(cluster_client) == before + 1
+
+
+def test_small_results_stay_on_dasks_path(cluster_client):
+    x = da.ones((8, 10), chunks=(1, 10)).persist()  # 80-byte parts
+    before = taken_over(cluster_client)
+    check(x.sum(axis=0).compute(), np.full(10, 8.0))
+    assert taken_over(cluster_client) == before
+
+
+@pytest.mark.filterwarnings("ignore:Scheduler already contains a plugin")
+def test_switched_off_runs_dasks_graph(cluster_client):
+    x = spread(cluster_client, [np.ones(5_000) for _ in range(4)])
+    try:
+        with dask.config.set({"hoplite.array.reductions": False}):
+            cluster_client.register_plugin(dh.Hoplite())
+        before = taken_over(cluster_client)
+        check(x.sum(axis=0).compute(), np.full(5_000, 4.0))
+        assert taken_over(cluster_client) == before
+    finally:
+        cluster_client.register_plugin(dh.Hoplite())
+    before = taken_over(cluster_client)
+    check(x.sum(axis=0).compute(), np.full(5_000, 4.0))
+    assert taken_over(cluster_client) == before + 1
+
+
+def test_other_reductions_are_left_alone():
+    """Only aggregates whose combine is sum, prod, min, max or mean's (n,
+    total) are rewritten (nansum's aggregate is a plain sum, so it is)."""
+    x = da.ones((8, 4), chunks=(1, 4))
+    for y in (x.std(axis=0), x.argmax(axis=0), x.any(axis=0), da.cumsum(x, axis=0)):
+        dsk = convert_legacy_graph(dict(optimize(y.__dask_graph__(), y.__dask_keys__())))
+        assert all(recognize(t) is None for t in dsk.values()), y
+
+
+@st.composite
+def reductions(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(0 if i else 1, 9)) for i in range(ndim))
+    chunks = tuple(draw(st.integers(1, max(1, n))) for n in shape)
+    axes = draw(
+        st.lists(st.integers(0, ndim - 1), min_size=1, max_size=ndim, unique=True).map(tuple)
+    )
+    op = draw(st.sampled_from(OPS))
+    dtype = draw(st.sampled_from(["i2", "i8", "u1", "f4", "f8"]))
+    split_every = draw(st.sampled_from([None, 2, 3]))
+    max_inputs = draw(st.integers(2, 20))
+    return shape, chunks, axes, op, dtype, split_every, max_inputs
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reductions())
+def test_rewritten_graph_computes_what_dask_computes(case):
+    """The rewrite alone (every aggregate a GraphReduce, trees collapsed up to
+    max_inputs) leaves every result as Dask's graph computes it."""
+    shape, chunks, axes, op, dtype, split_every, max_inputs = case
+    a = np.random.default_rng(3).integers(1, 4, shape).astype(dtype)
+    x = da.from_array(a, chunks=chunks)
+    y = getattr(x, op)(axis=axes, split_every=split_every)
+    keys = list(dask.core.flatten(y.__dask_keys__()))
+    dsk = convert_legacy_graph(dict(optimize(y.__dask_graph__(), keys)))
+    new, n = rewrite_graph(dsk, keys, max_inputs)
+    assert n == sum(isinstance(getattr(t, "func", None), GraphReduce) for t in new.values())
+    for t in new.values():
+        if isinstance(getattr(t, "func", None), GraphReduce) and len(axes) == 1:
+            assert len(t.dependencies) <= max(max_inputs, split_every or 4)
+    try:
+        theirs = execute_graph(dsk)
+    except ValueError as e:  # e.g. min of nothing: ours must refuse alike
+        with pytest.raises(type(e)):
+            execute_graph(new)
+        return
+    ours = execute_graph(new)
+    for k in keys:
+        check(np.asarray(ours[k]), np.asarray(theirs[k]))
