@@ -20,6 +20,7 @@ of large keys (the plugin must be registered for those to be pipelined).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import Sequence
@@ -121,11 +122,9 @@ async def _reduce_async(
         if len(chosen) == k:
             break
     keys = [f.key for f in chosen]
-    who_has = await client.scheduler.who_has(  # type: ignore[union-attr]
-        keys=keys
-    )
-    nbytes = await client.scheduler.nbytes(  # type: ignore[union-attr]
-        keys=keys, summary=False
+    who_has, nbytes = await asyncio.gather(  # one round trip, not two
+        client.scheduler.who_has(keys=keys),  # type: ignore[union-attr]
+        client.scheduler.nbytes(keys=keys, summary=False),  # type: ignore[union-attr]
     )
     addresses = []
     for key in keys:

@@ -118,3 +118,47 @@ def test_64_consumers_of_a_200mb_array_on_8_processes_form_a_tree():
     senders = [s for s, _ in entry["edges"]]
     # Not a star: the source sent at most `fanout` streams, relays did the rest.
     assert max(senders.count(a) for a in set(senders)) <= info["fanout"]
+
+
+def _array_stats(dask_worker):
+    p = dask_worker.plugins.get("hoplite-worker")
+    return {
+        "taken_over": p.stats.get("array-reductions", 0) if p else 0,
+        "fallbacks": p.stats.get("array-reduction-fallbacks", 0) if p else 0,
+        "fetched_by_dask": sum(t["total"] for t in dask_worker.transfer_incoming_log),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sum_of_eight_256_mib_chunks_on_eight_workers():
+    """The issue's acceptance workload: ``x.sum(axis=0)`` of 8 chunks of 256 MiB
+    on 8 worker processes, the user's code unchanged, gives the same result
+    with the plugin as without it, and with it runs as one reduce tree (the
+    worker running the aggregate fetches none of the 256 MiB partial sums)."""
+    n = 32 * 2**20  # int64 elements: 256 MiB per chunk; integer sums are exact
+    with (
+        LocalCluster(
+            n_workers=8, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        import dask.array as da
+
+        x = da.random.randint(0, 1000, size=(8, n), chunks=(1, n), dtype="i8").persist()
+        wait(x)
+        assert len({w for ws in c.who_has(x).values() for w in ws}) == 8
+        without = x.sum(axis=0).compute()
+        dask_fetched = sum(s["fetched_by_dask"] for s in c.run(_array_stats).values())
+
+        c.register_plugin(Hoplite())
+        before = c.run(_array_stats)
+        got = x.sum(axis=0).compute()
+        after = c.run(_array_stats)
+        np.testing.assert_array_equal(got, without)
+        assert got.shape == (n,) and got.dtype == np.int64
+        assert sum(a["taken_over"] for a in after.values()) == 1
+        assert sum(a["fallbacks"] for a in after.values()) == 0
+        fetched = sum(after[w]["fetched_by_dask"] - before[w]["fetched_by_dask"] for w in after)
+        assert dask_fetched >= 2**28  # Dask's tree moved whole partial sums
+        assert fetched < 2**20, fetched  # hoplite's moved none through Dask
