@@ -32,6 +32,7 @@ from distributed import Client, Future, as_completed, default_client, get_worker
 from distributed.utils import sync
 
 from dask_hoplite.config import HopliteConfig
+from dask_hoplite.network_model import network_estimate
 from dask_hoplite.planner import max_chain_length, plan_reduce_tree
 from dask_hoplite.reduce_ops import reference, resolve_op
 from dask_hoplite.reduction import ReduceSpec, check_input
@@ -122,9 +123,10 @@ async def _reduce_async(
         if len(chosen) == k:
             break
     keys = [f.key for f in chosen]
-    who_has, nbytes = await asyncio.gather(  # one round trip, not two
+    who_has, nbytes, net = await asyncio.gather(  # one round trip, not three
         client.scheduler.who_has(keys=keys),  # type: ignore[union-attr]
         client.scheduler.nbytes(keys=keys, summary=False),  # type: ignore[union-attr]
+        network_estimate(client.scheduler),
     )
     addresses = []
     for key in keys:
@@ -138,7 +140,7 @@ async def _reduce_async(
         # Small objects: a tree costs more round trips than it saves bytes;
         # one task on the first input's worker, as Dask would do it.
         return _reduce_small(client, chosen, keys, rop.name, addresses, copies)
-    plan = plan_reduce_tree(k, max_chain_length(size, cfg.reduce_bandwidth, cfg.reduce_latency))
+    plan = plan_reduce_tree(k, max_chain_length(size, net.bandwidth, net.latency))
     spec = ReduceSpec(
         rid=uuid.uuid4().hex,
         op=rop.name,

@@ -32,6 +32,11 @@ def _get(key: str) -> Any:
     return dask.config.get(f"hoplite.{key}", default=default)
 
 
+def _auto(key: str) -> bool:
+    value = _get(key)
+    return value is None or (isinstance(value, str) and value.strip().lower() == "auto")
+
+
 def _bytes(key: str) -> int:
     value = _get(key)
     n = parse_bytes(value) if isinstance(value, str) else int(value)
@@ -62,8 +67,8 @@ class HopliteConfig:
     protect_streams: bool
     buffer_pool_bytes: int
     buffer_pool_idle: float
-    reduce_bandwidth: float  # bytes per second
-    reduce_latency: float  # seconds per hop
+    reduce_bandwidth: float | None  # bytes per second; None: measured
+    reduce_latency: float | None  # seconds per hop; None: measured
     array_reductions: bool
     array_max_inputs: int
 
@@ -102,8 +107,10 @@ class HopliteConfig:
             protect_streams=bool(_get("amm.protect-streams")),
             buffer_pool_bytes=_bytes("buffer-pool-bytes"),
             buffer_pool_idle=_seconds("buffer-pool-idle"),
-            reduce_bandwidth=float(_bytes("reduce.bandwidth")),
-            reduce_latency=_seconds("reduce.latency"),
+            reduce_bandwidth=None
+            if _auto("reduce.bandwidth")
+            else float(_bytes("reduce.bandwidth")),
+            reduce_latency=None if _auto("reduce.latency") else _seconds("reduce.latency"),
             array_reductions=bool(_get("array.reductions")),
             array_max_inputs=max_inputs,
         )

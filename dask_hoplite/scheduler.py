@@ -25,6 +25,7 @@ from dask_hoplite.compat import check_distributed_version
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.directory import Assign, Decision, Missing, ObjectDirectory, Queued
 from dask_hoplite.graph_reduce import rewrite_graph
+from dask_hoplite.network_model import NetworkModel
 from dask_hoplite.protocol import PROTOCOL_VERSION
 from dask_hoplite.worker import PLUGIN_NAME as WORKER_PLUGIN_NAME
 from dask_hoplite.worker import HopliteWorker
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 from dask.typing import Key  # noqa: E402
 
-_HANDLERS = ("hoplite_request", "hoplite_info")
+_HANDLERS = ("hoplite_request", "hoplite_info", "hoplite_network")
 _STREAM_HANDLERS = ("hoplite-finished", "hoplite-released")
 
 
@@ -74,6 +75,7 @@ class Hoplite(SchedulerPlugin):
         self._waiting: dict[tuple[Key, str], asyncio.Future[Decision]] = {}
         self._replicating: dict[Key, set[str]] = defaultdict(set)
         self._originals: dict[str, Any] = {}
+        self.network: NetworkModel | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
@@ -93,10 +95,15 @@ class Hoplite(SchedulerPlugin):
             self.directory = previous.directory
             self._waiting = previous._waiting
             self._replicating = previous._replicating
+            self.network = previous.network
             previous._uninstall()
         if self.directory is None:
             self.directory = ObjectDirectory(fanout=self.config.fanout)
         self.directory.fanout = self.config.fanout
+        if self.network is None:
+            self.network = NetworkModel()
+        self.network.fixed_bandwidth = self.config.reduce_bandwidth
+        self.network.fixed_latency = self.config.reduce_latency
         self.scheduler = scheduler
         self._install(scheduler)
         responses = await scheduler.register_worker_plugin(
@@ -120,6 +127,7 @@ class Hoplite(SchedulerPlugin):
     def _install(self, s: Scheduler) -> None:
         s.handlers["hoplite_request"] = self.handle_request
         s.handlers["hoplite_info"] = self.handle_info
+        s.handlers["hoplite_network"] = self.handle_network
         s.stream_handlers["hoplite-finished"] = self.handle_finished
         s.stream_handlers["hoplite-released"] = self.handle_released
 
@@ -228,11 +236,28 @@ class Hoplite(SchedulerPlugin):
         return _decision_msg(decision, nbytes)
 
     def handle_finished(
-        self, transfer_id: int, ok: bool, worker: str | None = None, **kwargs: Any
+        self,
+        transfer_id: int,
+        ok: bool,
+        worker: str | None = None,
+        nbytes: int = 0,
+        seconds: float = 0.0,
+        latency: float = 0.0,
+        **kwargs: Any,
     ) -> None:
-        """Stream ``hoplite-finished``: a receiver's transfer ended."""
+        """Stream ``hoplite-finished``: a receiver's transfer ended (with its
+        size and duration, and the receiver's latency, for the network model)."""
         if self.directory is not None:
             self._act(self.directory.transfer_finished(transfer_id, bool(ok)))
+        if self.network is not None and ok:
+            self.network.observe_transfer(int(nbytes), float(seconds))
+            self.network.observe_latency(float(latency))
+
+    def handle_network(self) -> dict[str, Any]:
+        """RPC ``hoplite_network``: the bandwidth and latency reduce trees are
+        planned with (see :mod:`dask_hoplite.network_model`)."""
+        assert self.network is not None
+        return self.network.estimate().to_msg()
 
     def handle_released(self, key: Key, worker: str | None = None, **kwargs: Any) -> None:
         """Stream ``hoplite-released``: ``worker`` dropped its buffer of ``key``."""

@@ -47,6 +47,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.graph_reduce import GraphReduce
+from dask_hoplite.network_model import network_estimate
 from dask_hoplite.planner import max_chain_length, plan_reduce_tree
 from dask_hoplite.protocol import (
     PROTOCOL_VERSION,
@@ -251,6 +252,7 @@ class HopliteWorker(WorkerPlugin):
         t_assigned = time()
         block = self.config.block_size_for(int(reply.get("nbytes") or 0))
         ok = False
+        n = 0
         comm: Comm | None = None
         try:
             comm = await w.rpc.connect(sender)
@@ -289,7 +291,17 @@ class HopliteWorker(WorkerPlugin):
         finally:
             if comm is not None:
                 comm.abort()
-            self._send({"op": "hoplite-finished", "transfer_id": tid, "ok": ok, "key": key})
+            self._send(
+                {
+                    "op": "hoplite-finished",
+                    "transfer_id": tid,
+                    "ok": ok,
+                    "key": key,
+                    "nbytes": n,
+                    "seconds": time() - t_assigned,
+                    "latency": w.latency,
+                }
+            )
 
     async def gather_dep(
         self,
@@ -478,9 +490,8 @@ class HopliteWorker(WorkerPlugin):
         if not local:
             raise ReduceInputError("no input of the reduction is on this worker")
         n = len(keys)
-        plan = plan_reduce_tree(
-            n, max_chain_length(size, self.config.reduce_bandwidth, self.config.reduce_latency)
-        )
+        net = await network_estimate(w.scheduler)
+        plan = plan_reduce_tree(n, max_chain_length(size, net.bandwidth, net.latency))
         # A local part at the root's slot: its value is the root's operand.
         order = list(range(n))
         order[plan.root], order[local[0]] = order[local[0]], order[plan.root]

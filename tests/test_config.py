@@ -28,6 +28,10 @@ def test_defaults_are_loaded_and_documented():
         "queue-timeout",
         "protect-streams",
         "buffer-pool-bytes",
+        "bandwidth",
+        "latency",
+        "reductions",
+        "max-inputs",
     ]:
         # every key has a comment right above it
         lines = text.splitlines()
@@ -54,6 +58,8 @@ def test_environment_override(monkeypatch):
         ({"hoplite.window-bytes": "1 KiB"}, "window-bytes"),
         ({"hoplite.stall-timeout": "0s"}, "stall-timeout"),
         ({"hoplite.min-blocks": 0}, "min-blocks"),
+        ({"hoplite.array.max-inputs": 1}, "max-inputs"),
+        ({"hoplite.reduce.latency": "0s"}, "reduce.latency"),
     ],
 )
 def test_bad_settings_are_named(setting, match):
@@ -67,3 +73,11 @@ def test_block_size_scales_with_the_object():
     assert cfg.block_size_for(0) == cfg.min_block_bytes
     assert cfg.block_size_for(2**20) == max(cfg.min_block_bytes, 2**20 // cfg.min_blocks)
     assert cfg.block_size_for(2**30) == cfg.block_bytes
+
+
+def test_network_model_is_measured_unless_set():
+    cfg = HopliteConfig.from_dask_config()
+    assert cfg.reduce_bandwidth is None and cfg.reduce_latency is None  # "auto"
+    with dask.config.set({"hoplite.reduce.bandwidth": "10 GB", "hoplite.reduce.latency": "5us"}):
+        cfg = HopliteConfig.from_dask_config()
+    assert cfg.reduce_bandwidth == 10e9 and cfg.reduce_latency == pytest.approx(5e-6)
