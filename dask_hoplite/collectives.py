@@ -140,6 +140,9 @@ async def _reduce_async(
         # Small objects: a tree costs more round trips than it saves bytes;
         # one task on the first input's worker, as Dask would do it.
         return _reduce_small(client, chosen, keys, rop.name, addresses, copies)
+    distinct = list(dict.fromkeys(addresses))
+    if copies and len(distinct) >= 3 and size // len(distinct) >= cfg.segment_min_bytes:
+        return _allreduce_segmented(client, chosen, addresses, distinct, rop.name, net, size)
     plan = plan_reduce_tree(k, max_chain_length(size, net.bandwidth, net.latency))
     spec = ReduceSpec(
         rid=uuid.uuid4().hex,
@@ -180,6 +183,90 @@ async def _reduce_async(
         )
         for j, addr in enumerate(spec.copies)
     ]
+
+
+def _allreduce_part(value: Any, specs: list[dict[str, Any]], i: int) -> Any:
+    """The Dask task of segmented allreduce part ``i`` (on the i-th worker)."""
+    return _on_worker_plugin("run_allreduce_part", value, specs, i)
+
+
+def _allreduce_segmented(
+    client: Client,
+    chosen: list[Future],
+    addresses: list[str],
+    distinct: list[str],
+    op: str,
+    net: Any,
+    size: int,
+) -> list[Future]:
+    """Allreduce as m concurrent reduce-then-broadcast pipelines, one per
+    segment of 1/m of the object, each rooted on another of the m workers.
+
+    Segment i's reduce chain runs through the workers in the order i+1, i+2,
+    ..., i (its root) and its result streams to i+1, i+2, ... as it fills, so
+    every worker sends and receives (m-1)/m of the object in each phase:
+    2(m-1)/m * S per NIC and direction, the bound, where one tree plus one
+    chain of copies would make every worker carry 2 S.
+    """
+    cfg = HopliteConfig.from_dask_config()
+    n, m = len(chosen), len(distinct)
+    rid = uuid.uuid4().hex
+    plan = plan_reduce_tree(n, max_chain_length(size // m, net.bandwidth, net.latency))
+    positions = [p for p in range(n) if p != plan.root]  # filled in order
+    specs = []
+    roots = []
+    for i, wi in enumerate(distinct):
+        rotation = distinct[i + 1 :] + distinct[: i + 1]  # wi last
+        rank = {w: r for r, w in enumerate(rotation)}
+        root_slot = addresses.index(wi)
+        others = sorted(
+            (s for s in range(n) if s != root_slot), key=lambda s: (rank[addresses[s]], s)
+        )
+        slot_at = {plan.root: root_slot, **dict(zip(positions, others, strict=True))}
+        parent: list[int | None] = [None] * n
+        for p in range(n):
+            q = plan.parent[p]
+            parent[slot_at[p]] = None if q is None else slot_at[q]
+        specs.append(
+            ReduceSpec(
+                rid=f"{rid}-s{i}",
+                op=op,
+                inputs=tuple(f.key for f in chosen),
+                addresses=tuple(addresses),
+                parent=tuple(parent),
+                shape=(),
+                dtype="",
+                block_bytes=cfg.block_bytes,
+                copies=tuple(rotation[:-1]),
+                segment=(i, m),
+            ).to_msg()
+        )
+        roots.append(root_slot)
+    parts = [
+        client.submit(
+            _allreduce_part,
+            chosen[roots[i]],
+            specs,
+            i,
+            key=f"hoplite-allreduce-{op}-{rid}-{i}",
+            workers=[wi],
+            allow_other_workers=False,
+            pure=False,
+        )
+        for i, wi in enumerate(distinct)
+    ]
+    keepalive = list(chosen)
+    remaining = set(range(m))
+
+    def done(i: int) -> None:
+        remaining.discard(i)
+        if not remaining:
+            keepalive.clear()
+
+    for j, part in enumerate(parts):
+        part.add_done_callback(lambda _, j=j: done(j))
+    setattr(parts[0], _INPUTS_ATTR, [f.key for f in chosen])
+    return parts
 
 
 def _reduce_small_task(op: str, keys: list[Any], *arrays: Any) -> np.ndarray:

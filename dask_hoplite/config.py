@@ -69,6 +69,7 @@ class HopliteConfig:
     buffer_pool_idle: float
     reduce_bandwidth: float | None  # bytes per second; None: measured
     reduce_latency: float | None  # seconds per hop; None: measured
+    segment_min_bytes: int
     array_reductions: bool
     array_max_inputs: int
 
@@ -111,6 +112,7 @@ class HopliteConfig:
             if _auto("reduce.bandwidth")
             else float(_bytes("reduce.bandwidth")),
             reduce_latency=None if _auto("reduce.latency") else _seconds("reduce.latency"),
+            segment_min_bytes=_bytes("reduce.allreduce-segment-min-bytes"),
             array_reductions=bool(_get("array.reductions")),
             array_max_inputs=max_inputs,
         )

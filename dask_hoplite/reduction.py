@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,9 @@ class ReduceSpec:
     #: Inputs are dicts of arrays (e.g. the per-chunk results of a dask.array
     #: mean): reduce this entry of each.
     field: str | None = None
+    #: Reduce only segment ``i`` of ``m`` equal parts of the flattened inputs
+    #: (a segmented allreduce); ``shape`` stays the inputs' full shape.
+    segment: tuple[int, int] | None = None
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -78,6 +82,7 @@ class ReduceSpec:
             "block_bytes": self.block_bytes,
             "copies": list(self.copies),
             "field": self.field,
+            "segment": list(self.segment) if self.segment is not None else None,
         }
 
     @classmethod
@@ -93,7 +98,23 @@ class ReduceSpec:
             int(m["block_bytes"]),
             tuple(m.get("copies") or ()),
             m.get("field"),
+            tuple(m["segment"]) if m.get("segment") is not None else None,
         )
+
+    def bounds(self) -> tuple[int, int]:
+        """The element range [lo, hi) of the flattened inputs this tree reduces."""
+        n = math.prod(self.shape)
+        if self.segment is None:
+            return 0, n
+        i, m = self.segment
+        return n * i // m, n * (i + 1) // m
+
+    def node_shape(self) -> tuple[int, ...]:
+        """The shape of every node's partial result."""
+        if self.segment is None:
+            return tuple(self.shape)
+        lo, hi = self.bounds()
+        return (hi - lo,)
 
     def children(self, slot: int) -> list[int]:
         return [i for i, p in enumerate(self.parent) if p == slot]
@@ -165,7 +186,11 @@ def _operand(value: Any, spec: ReduceSpec, slot: int, rdt: np.dtype) -> np.ndarr
     """The node's own input as a flat C-contiguous array of the result dtype."""
     like = (spec.inputs[spec.root], spec.shape, spec.dtype)
     value = check_input(value, spec.inputs[slot], like)
-    return np.ascontiguousarray(value, dtype=rdt).reshape(-1)
+    flat = value.reshape(-1)  # a view when the input is contiguous
+    if spec.segment is not None:
+        lo, hi = spec.bounds()
+        flat = flat[lo:hi]  # sliced before any dtype conversion: only this segment
+    return np.ascontiguousarray(flat, dtype=rdt)
 
 
 async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: Any) -> ObjectBuffer:
@@ -181,7 +206,7 @@ async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: An
     if not children:
         # A leaf's partial result is its own operand: serve it as it is.
         own = _operand(value, spec, slot, rdt)
-        layout = result_layout(spec.shape, rdt)
+        layout = result_layout(spec.node_shape(), rdt)
         leaf = plugin.store.add_source(key, layout.header, [own.view(np.uint8)])
         plugin.announced(key)
         return leaf
@@ -189,7 +214,7 @@ async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: An
     plugin.announced(key)
     try:
         own = _operand(value, spec, slot, rdt)
-        acc.allocate(result_layout(spec.shape, rdt))
+        acc.allocate(result_layout(spec.node_shape(), rdt))
         itemsize = max(1, rdt.itemsize)
         block = max(itemsize, spec.block_bytes // itemsize * itemsize)
         job = _NodeJob(plugin, spec, children, op, rdt, own, acc, block)

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Collection, Iterator
 from time import time
 from typing import Any
 
+import numpy as np
 from dask._task_spec import Task
 from distributed import Reschedule, WorkerPlugin, get_worker
 from distributed.comm.core import Comm, CommClosedError
@@ -699,6 +700,38 @@ class HopliteWorker(WorkerPlugin):
             errors = [t.exception() for t in failed]
             raise next((e for e in errors if isinstance(e, ReduceInputError)), errors[0])  # type: ignore[misc]
         return await self._deserialize(own.result())
+
+    async def run_allreduce_part(
+        self, value: Any, spec_msgs: list[dict[str, Any]], mine: int
+    ) -> Any:
+        """One worker's part of a segmented allreduce: the root of segment
+        ``mine`` (its reduce tree and the chain of copies streaming its result
+        run concurrently with everyone else's), a copy of every other segment,
+        then the whole result assembled from the segments."""
+        specs = [ReduceSpec.from_msg(m) for m in spec_msgs]
+        w = self.worker
+        assert w is not None
+        me = w.address
+        own = self.run_reduction(value, spec_msgs[mine])
+        others = [
+            self.pull_copy(spec_msgs[i], specs[i].copies.index(me))
+            for i in range(len(specs))
+            if i != mine
+        ]
+        results = await asyncio.gather(own, *others, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise next((e for e in errors if isinstance(e, ReduceInputError)), errors[0])
+        segments: list[np.ndarray] = list(results)  # type: ignore[arg-type]
+        order = [mine, *(i for i in range(len(specs)) if i != mine)]
+        first = segments[0]
+        full = dataclasses.replace(specs[mine], shape=np.shape(value))
+        out = np.empty(full.shape, dtype=first.dtype)
+        flat = out.reshape(-1)
+        for i, seg in zip(order, segments, strict=True):
+            lo, hi = dataclasses.replace(specs[i], shape=full.shape).bounds()
+            flat[lo:hi] = seg
+        return out
 
     async def pull_copy(self, spec_msg: dict[str, Any], j: int) -> Any:
         """Allreduce copy ``j``: stream the result from the previous copy (or
