@@ -306,6 +306,18 @@ class EmulatedCluster:
         """PIDs of the Dask processes (children of ``ip netns exec``)."""
         return [p.pid for h in self.hosts.values() for p in h.procs if p.poll() is None]
 
+    def signal(self, role: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to every process of host ``role`` (failure injection:
+        SIGKILL a host, SIGSTOP / SIGCONT to hang and resume it)."""
+        for p in self.hosts[role].procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, sig)
+        if sig == signal.SIGKILL:
+            for p in self.hosts[role].procs:
+                with contextlib.suppress(Exception):
+                    p.wait(timeout=10)
+
     def enter_namespace(self, role: str = "sched") -> None:
         """Move this (still single-threaded) process into host ``role``'s
         network namespace, so that a Dask client created afterwards talks to

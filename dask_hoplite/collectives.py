@@ -163,7 +163,9 @@ async def _reduce_async(
         spec.to_msg(),
         key=f"hoplite-reduce-{rop.name}-{spec.rid}",
         workers=[addresses[root]],
-        allow_other_workers=False,
+        # a plain reduction survives the death of its root's worker: Dask runs
+        # the root elsewhere and the root locates the inputs again
+        allow_other_workers=not copies,
         pure=False,
     )
     setattr(result, _INPUTS_ATTR, keys)

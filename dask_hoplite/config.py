@@ -45,6 +45,13 @@ def _bytes(key: str) -> int:
     return n
 
 
+def _count(key: str) -> int:
+    value = int(_get(key))
+    if value < 0:
+        raise ValueError(f"hoplite.{key} must be >= 0, got {value!r}")
+    return value
+
+
 def _seconds(key: str) -> float:
     value = parse_timedelta(_get(key), default="seconds")
     if value is None or value <= 0:
@@ -62,6 +69,7 @@ class HopliteConfig:
     min_blocks: int
     window_bytes: int
     stall_timeout: float
+    max_resumes: int
     fanout: int
     queue_timeout: float
     protect_streams: bool
@@ -103,6 +111,7 @@ class HopliteConfig:
             min_blocks=min_blocks,
             window_bytes=window,
             stall_timeout=_seconds("stall-timeout"),
+            max_resumes=_count("resume-attempts"),
             fanout=fanout,
             queue_timeout=_seconds("directory.queue-timeout"),
             protect_streams=bool(_get("amm.protect-streams")),

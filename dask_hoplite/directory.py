@@ -120,8 +120,19 @@ class ObjectDirectory:
 
     # ------------------------------------------------------------------ events
 
-    def request(self, key: Key, receiver: str, holders: Iterable[str]) -> Decision:
-        """``receiver`` needs ``key``; ``holders`` are Dask's complete replicas."""
+    def request(
+        self,
+        key: Key,
+        receiver: str,
+        holders: Iterable[str],
+        exclude: Iterable[str] = (),
+    ) -> Decision:
+        """``receiver`` needs ``key``; ``holders`` are Dask's complete replicas.
+
+        ``exclude``: senders the receiver gave up on (dead or stalled) while it
+        resumes a partially received copy; they are not assigned again for
+        this request, and their partial copies are not assigned to anyone
+        (every one of them may be waiting for the same stalled sender)."""
         rec = self.objects.get(key)
         if rec is None:
             rec = self.objects[key] = ObjectRecord(key)
@@ -133,7 +144,7 @@ class ObjectDirectory:
             self._end_transfer(rec, existing)
         if receiver in rec.queue:
             return Queued(key, receiver)
-        decision = self._assign(rec, receiver)
+        decision = self._assign(rec, receiver, frozenset(exclude))
         if isinstance(decision, Queued):
             rec.queue.append(receiver)
         elif isinstance(decision, Missing) and not rec.incoming and not rec.complete:
@@ -230,11 +241,17 @@ class ObjectDirectory:
 
     # -------------------------------------------------------------- internals
 
-    def _assign(self, rec: ObjectRecord, receiver: str) -> Decision:
+    def _assign(
+        self, rec: ObjectRecord, receiver: str, exclude: frozenset[str] = frozenset()
+    ) -> Decision:
         # A holder that is itself still receiving serves from its partial
         # buffer: it counts as partial (and may depend on the requester).
-        copies = rec.copies() - {receiver} - rec.incoming.keys()
-        partial = {r: t for r, t in rec.incoming.items() if r != receiver}
+        copies = rec.copies() - {receiver} - rec.incoming.keys() - exclude
+        partial = {
+            r: t
+            for r, t in rec.incoming.items()
+            if r != receiver and r not in exclude and t.sender not in exclude
+        }
         if not copies and not partial:
             return Missing(rec.key, receiver)
 

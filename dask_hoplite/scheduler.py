@@ -203,9 +203,14 @@ class Hoplite(SchedulerPlugin):
     # ---------------------------------------------------- worker handlers
 
     async def handle_request(
-        self, key: Key, receiver: str, protocol: int | None = None
+        self,
+        key: Key,
+        receiver: str,
+        protocol: int | None = None,
+        exclude: list[str] | None = None,
     ) -> dict[str, Any]:
-        """RPC ``hoplite_request``: a worker needs ``key``; whom to stream from."""
+        """RPC ``hoplite_request``: a worker needs ``key`` (or needs another
+        sender than those in ``exclude`` to resume from); whom to stream from."""
         assert self.scheduler is not None and self.directory is not None
         if protocol != PROTOCOL_VERSION:
             return {
@@ -214,12 +219,14 @@ class Hoplite(SchedulerPlugin):
             }
         ts = self.scheduler.tasks.get(key)
         if ts is None or ts.state != "memory":
-            return {"status": "missing"}
+            # Not in memory anywhere (lost, being recomputed, or released):
+            # the receiver's holders are stale; Dask finds the new copy.
+            return {"status": "missing", "gone": True}
         nbytes = ts.nbytes or 0
         if nbytes < self.config.min_bytes:
             return {"status": "small"}
         holders = [ws.address for ws in ts.who_has or ()]
-        decision = self.directory.request(key, receiver, holders)
+        decision = self.directory.request(key, receiver, holders, exclude or ())
         if isinstance(decision, Queued):
             fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
             self._waiting[(key, receiver)] = fut
@@ -229,11 +236,21 @@ class Hoplite(SchedulerPlugin):
                 logger.info("request of %s for %r timed out in the queue", receiver, key)
                 if self.directory is not None:
                     self.directory.cancel_request(key, receiver)
-                return {"status": "missing"}
+                return {"status": "missing", "gone": not self._in_memory(key)}
             finally:
                 if self._waiting.get((key, receiver)) is fut:
                     del self._waiting[(key, receiver)]
-        return _decision_msg(decision, nbytes)
+        msg = _decision_msg(decision, nbytes)
+        if isinstance(decision, Missing):
+            msg["gone"] = not self._in_memory(key)
+        ts = self.scheduler.tasks.get(key)
+        msg["holders"] = [ws.address for ws in (ts.who_has or ())] if ts is not None else []
+        return msg
+
+    def _in_memory(self, key: Key) -> bool:
+        assert self.scheduler is not None
+        ts = self.scheduler.tasks.get(key)
+        return ts is not None and ts.state == "memory"
 
     def handle_finished(
         self,

@@ -18,6 +18,7 @@ a block never spans two frames, so every block is one contiguous view.
 from __future__ import annotations
 
 import enum
+import hashlib
 import mmap
 import threading
 import time
@@ -37,12 +38,54 @@ class BufferState(enum.Enum):
     FAILED = "failed"
 
 
+#: Bytes hashed at each end of an object for its identity.
+IDENTITY_BYTES = 64 * 1024
+
+
+class LayoutChanged(ValueError):
+    """A sender's copy is not the object a partially filled buffer holds the
+    beginning of (e.g. a non-deterministic task was recomputed)."""
+
+
+def content_identity(frames: Sequence[memoryview]) -> str:
+    """Identity of an object's bytes: a digest of its length, its frame sizes
+    and its first and last ``IDENTITY_BYTES``. Cheap (at most 128 KiB hashed
+    whatever the size), computed once where the object is serialised, and
+    carried along with the layout by every relay. Two copies of one object
+    agree; a recomputation that produced other bytes differs with
+    overwhelming probability unless it differs only in the middle."""
+    h = hashlib.blake2b(digest_size=16)
+    lengths = [f.nbytes for f in frames]
+    h.update(repr(lengths).encode())
+    head: list[memoryview] = []
+    budget = IDENTITY_BYTES
+    for f in frames:
+        if budget <= 0:
+            break
+        head.append(f[:budget])
+        budget -= min(budget, f.nbytes)
+    tail: list[memoryview] = []
+    budget = IDENTITY_BYTES
+    for f in reversed(frames):
+        if budget <= 0:
+            break
+        tail.append(f[max(0, f.nbytes - budget) :])
+        budget -= min(budget, f.nbytes)
+    for part in head:
+        h.update(part)
+    h.update(b"|")
+    for part in reversed(tail):
+        h.update(part)
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Serialisation header and frame sizes of one object."""
+    """Serialisation header, frame sizes and content identity of one object."""
 
     header: dict[str, Any]
     lengths: tuple[int, ...]
+    identity: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +111,7 @@ class Layout:
         return min(self.frame_end(offset), offset + block_bytes)
 
     def to_msg(self) -> dict[str, Any]:
-        return {"header": self.header, "lengths": list(self.lengths)}
+        return {"header": self.header, "lengths": list(self.lengths), "identity": self.identity}
 
     @classmethod
     def from_msg(cls, msg: dict[str, Any]) -> Layout:
@@ -77,7 +120,10 @@ class Layout:
             raise ValueError("malformed layout: needs a header dict and a list of lengths")
         if not all(isinstance(n, int) and n >= 0 for n in lengths):
             raise ValueError(f"malformed layout: frame lengths must be ints >= 0: {lengths!r}")
-        return cls(header, tuple(lengths))
+        identity = msg.get("identity") or ""
+        if not isinstance(identity, str):
+            raise ValueError(f"malformed layout: identity must be a string, got {identity!r}")
+        return cls(header, tuple(lengths), identity)
 
 
 Waiter = Callable[["ObjectBuffer"], None]
@@ -207,7 +253,7 @@ class ObjectBuffer:
         """A complete source buffer over existing frames (no copy)."""
         buf = cls(key)
         views = [as_byte_view(f) for f in frames]
-        buf.layout = Layout(header, tuple(v.nbytes for v in views))
+        buf.layout = Layout(header, tuple(v.nbytes for v in views), content_identity(views))
         buf._frames = views
         buf.progress = buf.layout.nbytes
         buf.state = BufferState.COMPLETE
@@ -217,9 +263,10 @@ class ObjectBuffer:
         """Receiving side: the sender told us the layout; allocate once."""
         if self.layout is not None:
             if self.layout != layout:
-                raise ValueError(
-                    f"layout of {self.key!r} changed between senders "
-                    f"({self.layout.lengths} != {layout.lengths})"
+                raise LayoutChanged(
+                    f"{self.key!r} changed between senders (frames {self.layout.lengths}, "
+                    f"identity {self.layout.identity or '?'} != {layout.lengths}, "
+                    f"{layout.identity or '?'})"
                 )
             return
         self.layout = layout

@@ -66,7 +66,7 @@ from dask_hoplite.reduction import (
     run_node,
     select_field,
 )
-from dask_hoplite.store import BlockStore, BufferPool, BufferState, ObjectBuffer
+from dask_hoplite.store import BlockStore, BufferPool, BufferState, LayoutChanged, ObjectBuffer
 from dask_hoplite.streams import raw_stream, receive_stream, send_stream, wait_progress
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,19 @@ logger = logging.getLogger(__name__)
 from dask.typing import Key  # noqa: E402
 
 PLUGIN_NAME = "hoplite-worker"
+#: ``fetch`` result: the key is in memory nowhere (lost, being recomputed).
+GONE = object()
+_FAILED = object()  # a stream ended without the whole object: resume elsewhere
+_RESTART = object()  # the sender holds another object: start over
 _TRIM_CALLBACK = "hoplite-pool-trim"
+
+
+class NodeFailed(RuntimeError):
+    """A node of a reduce tree failed (its worker died, stalled or refused)."""
+
+    def __init__(self, message: str, address: str) -> None:
+        super().__init__(message)
+        self.address = address
 
 
 class VersionMismatch(RuntimeError):
@@ -103,6 +115,8 @@ class HopliteWorker(WorkerPlugin):
         self._orig_gather: Any = None
         self._orig_handle_stimulus: Any = None
         self._fetching: dict[Key, asyncio.Future[None]] = {}
+        #: Holders of keys hoplite gave up on, as the scheduler saw them then.
+        self._holders: dict[Key, list[str]] = {}
         #: The latest transfers into this worker: key, sender, bytes, and wall
         #: times of the directory request, the assignment and the last byte.
         self.recent: deque[dict[str, Any]] = deque(maxlen=100)
@@ -177,8 +191,21 @@ class HopliteWorker(WorkerPlugin):
     def transition(self, key: Key, start: str, finish: str, **kwargs: Any) -> None:
         """Drop our buffer when Dask lets go of the key on this worker."""
         if finish in ("released", "forgotten") and key in self.store:
+            if key in self._fetching:
+                # Our stream is still running (Dask cancelled the fetch, e.g.
+                # because the key was lost and is being recomputed): let it
+                # finish or resume; Dask releases the key again afterwards.
+                return
             self.store.release(key)
             self._send({"op": "hoplite-released", "key": key})
+        elif finish == "memory":
+            buf = self.store.get(key)
+            if buf is not None and buf.state is not BufferState.COMPLETE:
+                # Dask's own path delivered the key while a partial copy of
+                # ours waited to be resumed: drop it (our receivers resume
+                # from a complete copy).
+                self.store.release(key)
+                self._send({"op": "hoplite-released", "key": key})
 
     # ------------------------------------------------------------- helpers
 
@@ -211,9 +238,11 @@ class HopliteWorker(WorkerPlugin):
     # ---------------------------------------------------------- receiving
 
     async def fetch(self, key: Key) -> tuple[bool, Any]:
-        """Fetch ``key`` through hoplite. Returns ``(True, value)``, or
-        ``(False, None)`` when the caller should use Dask's own path (the key
-        is small, unknown to the directory, or the stream failed)."""
+        """Fetch ``key`` through hoplite. Returns ``(True, value)``;
+        ``(False, GONE)`` when the key is in memory nowhere (lost or being
+        recomputed: Dask must locate it again); or ``(False, None)`` when the
+        caller should use Dask's own path (the key is small, unknown to the
+        directory, or no sender could finish the stream)."""
         assert self.worker is not None
         while key in self._fetching:  # another local caller is fetching it
             await self._fetching[key]
@@ -231,33 +260,82 @@ class HopliteWorker(WorkerPlugin):
             done.set_result(None)
 
     async def _fetch(self, key: Key) -> tuple[bool, Any]:
+        """Stream ``key`` into this worker's buffer; when the sender dies or
+        stalls, resume from the byte reached with another sender the directory
+        assigns (never one downstream of us), restarting from byte 0 only if
+        the new sender's copy is another object (recomputed differently)."""
         w = self.worker
         assert w is not None
-        buf = self.store.announce(key)
-        t_request = time()
-        try:
-            reply = await w.scheduler.hoplite_request(
-                key=key, receiver=w.address, protocol=PROTOCOL_VERSION
+        buf = self.store.announce(key)  # may be a partial copy left by an earlier attempt
+        excluded: list[str] = []
+        gone = False
+        for _attempt in range(self.config.max_resumes + 1):
+            t_request = time()
+            try:
+                reply = await w.scheduler.hoplite_request(
+                    key=key, receiver=w.address, protocol=PROTOCOL_VERSION, exclude=excluded
+                )
+            except Exception as e:
+                logger.warning(
+                    "hoplite directory unreachable for %r (%s); using Dask's path", key, e
+                )
+                break
+            if reply.get("status") != "assign":
+                if reply.get("status") == "error":
+                    logger.warning("hoplite directory refused %r: %s", key, reply.get("message"))
+                gone = bool(reply.get("gone"))
+                self._holders[key] = list(reply.get("holders") or ())
+                break
+            sender, tid = reply["sender"], reply["transfer_id"]
+            outcome = await self._stream_from(buf, sender, tid, int(reply.get("nbytes") or 0))
+            if outcome is _RESTART:
+                # Another object than the bytes we hold: start over, from byte 0.
+                self._count("restarts")
+                buf.fail(LayoutChanged(f"{key!r} changed; restarting from byte 0"))
+                self.store.discard_if(key, buf)
+                buf = self.store.announce(key)
+                continue
+            if outcome is _FAILED:
+                excluded.append(sender)
+                if buf.progress:
+                    self._count("resumes")
+                continue
+            self.recent.append(
+                {
+                    "key": key,
+                    "sender": sender,
+                    "nbytes": buf.nbytes,
+                    "requested": t_request,
+                    "done": time(),
+                    "senders": [*excluded, sender],
+                }
             )
-        except Exception as e:
-            logger.warning("hoplite directory unreachable for %r (%s); using Dask's path", key, e)
+            return True, outcome
+        # Give up for now: Dask's own path takes over. A partial copy stays in
+        # the store (still serving our own receivers as it is) so that a later
+        # fetch resumes it, e.g. once the object has been recomputed; it goes
+        # when Dask releases the key here or the key lands in memory.
+        if not buf.progress:
             self.store.discard_if(key, buf)
-            return False, None
-        if reply.get("status") != "assign":
-            self.store.discard_if(key, buf)
-            if reply.get("status") == "error":
-                logger.warning("hoplite directory refused %r: %s", key, reply.get("message"))
-            return False, None
+            if buf.state is not BufferState.COMPLETE:
+                buf.fail(RuntimeError(f"no hoplite sender for {key!r}"))
+        return False, GONE if gone else None
 
-        sender, tid = reply["sender"], reply["transfer_id"]
-        t_assigned = time()
-        block = self.config.block_size_for(int(reply.get("nbytes") or 0))
+    async def _stream_from(self, buf: ObjectBuffer, sender: str, tid: int, nbytes: int) -> Any:
+        """One stream into ``buf`` from ``sender``, from the byte it reached.
+        Returns the deserialised object, or ``_FAILED`` / ``_RESTART``."""
+        w = self.worker
+        assert w is not None
+        key = buf.key
+        block = self.config.block_size_for(nbytes)
         ok = False
         n = 0
         comm: Comm | None = None
+        t0 = time()
         try:
             comm = await w.rpc.connect(sender)
-            req = StreamRequest(key, 0, block, tid, raw=raw_stream(comm) is not None)
+            offset = buf.progress if buf.layout is not None else 0
+            req = StreamRequest(key, offset, block, tid, raw=raw_stream(comm) is not None)
             n = await receive_stream(comm, buf, req, stall_timeout=self.config.stall_timeout)
             w.rpc.reuse(sender, comm)
             comm = None
@@ -265,30 +343,22 @@ class HopliteWorker(WorkerPlugin):
             ok = True
             self._count("bytes-received", n)
             self._count("keys-received")
-            self.recent.append(
-                {
-                    "key": key,
-                    "sender": sender,
-                    "nbytes": n,
-                    "requested": t_request,
-                    "assigned": t_assigned,
-                    "done": time(),
-                }
-            )
-            return True, value
+            return value
+        except LayoutChanged as e:
+            logger.info("%s", e)
+            return _RESTART
         except Exception as e:
             logger.warning(
-                "hoplite stream of %r from %s failed (%s: %s); falling back to Dask's path",
+                "hoplite stream of %r from %s failed at byte %d (%s: %s); resuming elsewhere",
                 key,
                 sender,
+                buf.progress,
                 type(e).__name__,
                 e,
                 exc_info=logger.isEnabledFor(logging.DEBUG),
             )
             self._count("streams-failed")
-            buf.fail(e)
-            self.store.discard_if(key, buf)
-            return False, None
+            return _FAILED
         finally:
             if comm is not None:
                 comm.abort()
@@ -299,7 +369,7 @@ class HopliteWorker(WorkerPlugin):
                     "ok": ok,
                     "key": key,
                     "nbytes": n,
-                    "seconds": time() - t_assigned,
+                    "seconds": time() - t0,
                     "latency": w.latency,
                 }
             )
@@ -316,6 +386,7 @@ class HopliteWorker(WorkerPlugin):
         w = self.worker
         orig = self._orig_gather_dep
         large = [k for k in to_gather if self._is_large(k)] if w is not None else []
+        gone: set[Key] = set()
         if not large or w is None or w.status not in WORKER_ANY_RUNNING:
             return await orig(worker, to_gather, total_nbytes, stimulus_id=stimulus_id)
         results = await asyncio.gather(*(self.fetch(k) for k in large), return_exceptions=True)
@@ -325,7 +396,15 @@ class HopliteWorker(WorkerPlugin):
                 logger.error("hoplite fetch of %r raised", key, exc_info=res)
             elif res[0]:
                 data[key] = res[1]
-        rest = [k for k in to_gather if k not in data]
+            elif res[1] is GONE or worker not in self._holders.get(key, [worker]):
+                gone.add(key)
+            self._holders.pop(key, None)
+        # Keys no longer in memory anywhere, or no longer on the peer Dask
+        # picked: Dask's holder is stale (dead, or the key is being
+        # recomputed). Leaving them out of ``data`` tells the state machine
+        # this peer lacks them, so it asks the scheduler where they are now
+        # instead of trying a dead peer until its connect timeout.
+        rest = [k for k in to_gather if k not in data and k not in gone]
         if not rest:
             w.state.log.append(("receive-dep-hoplite", worker, set(data), stimulus_id, time()))
             return GatherDepSuccessEvent(
@@ -645,7 +724,13 @@ class HopliteWorker(WorkerPlugin):
 
     async def run_reduction(self, value: Any, spec_msg: dict[str, Any]) -> Any:
         """The root of a reduce tree: start the other nodes, combine, return
-        the result (raising the clearest error if any node failed)."""
+        the result (raising the clearest error if any node failed).
+
+        A plain reduction whose tree breaks (a participant died or stalled)
+        is restarted: the inputs are located again (the scheduler recomputes
+        lost ones from their lineage) and a new tree runs, at most
+        ``hoplite.resume-attempts`` times. Inputs that do not fit are not
+        retried: their error is final."""
         w = self.worker
         assert w is not None
         spec = ReduceSpec.from_msg(spec_msg)
@@ -654,25 +739,84 @@ class HopliteWorker(WorkerPlugin):
         value = check_input(value, spec.inputs[root])
         # The root's input defines the shape and dtype every input must have.
         spec = dataclasses.replace(spec, shape=value.shape, dtype=value.dtype.str)
+        restartable = not spec.copies and spec.segment is None
+        if spec.addresses[root] != w.address:  # Dask ran the root elsewhere
+            spec = await self._relocated(spec, set())
+        for attempt in range(self.config.max_resumes + 1):
+            try:
+                result = await self._reduce_once(spec, value)
+                break
+            except ReduceInputError:
+                raise
+            except Exception as e:
+                if not restartable or attempt == self.config.max_resumes:
+                    raise
+                failed = {e.address} if isinstance(e, NodeFailed) else set()
+                logger.warning(
+                    "reduction %s broke (%s: %s); restarting with the inputs located again",
+                    spec.rid,
+                    type(e).__name__,
+                    e,
+                )
+                self._count("reduce-restarts")
+                spec = await self._relocated(spec, failed)
+        if not spec.children(root):  # a single input: its buffer is the input itself
+            result = result.copy()
+        op.finish(result, len(spec.inputs))
+        return result
+
+    async def _relocated(self, spec: ReduceSpec, avoid: set[str]) -> ReduceSpec:
+        """``spec`` with a new id and every input's current holder (this worker
+        for the root's), waiting while the scheduler recomputes lost inputs;
+        holders in ``avoid`` (they just failed) only if there is no other."""
+        w = self.worker
+        assert w is not None
+        keys = list(spec.inputs)
+        deadline = time() + 4 * self.config.stall_timeout
+        while True:
+            who_has = await w.scheduler.who_has(keys=keys)
+            missing = [k for k in keys if not who_has.get(k)]
+            if not missing:
+                break
+            if time() > deadline:
+                raise RuntimeError(
+                    f"input {missing[0]!r} of the reduction was lost and has not been "
+                    f"recomputed within {4 * self.config.stall_timeout:g}s"
+                )
+            await asyncio.sleep(0.1)
+        addresses = []
+        for slot, key in enumerate(keys):
+            holders = sorted(who_has[key])
+            if slot == spec.root:
+                addresses.append(w.address)
+            elif spec.addresses[slot] in holders and spec.addresses[slot] not in avoid:
+                addresses.append(spec.addresses[slot])
+            else:
+                good = [h for h in holders if h not in avoid] or holders
+                addresses.append(good[0])
+        return dataclasses.replace(spec, rid=uuid.uuid4().hex, addresses=tuple(addresses))
+
+    async def _reduce_once(self, spec: ReduceSpec, value: Any) -> Any:
+        w = self.worker
+        assert w is not None
 
         async def start(slot: int) -> None:
-            reply = await w.rpc(spec.addresses[slot]).hoplite_reduce_node(
-                spec=spec.to_msg(), slot=slot
-            )
+            addr = spec.addresses[slot]
+            try:
+                reply = await w.rpc(addr).hoplite_reduce_node(spec=spec.to_msg(), slot=slot)
+            except Exception as e:
+                raise NodeFailed(f"node {slot} on {addr}: {type(e).__name__}: {e}", addr) from e
             if reply.get("status") != "OK":
-                cls = ReduceInputError if reply.get("input_error") else RuntimeError
-                raise cls(reply.get("message"))
+                if reply.get("input_error"):
+                    raise ReduceInputError(reply.get("message"))
+                raise NodeFailed(str(reply.get("message")), addr)
 
         # With allreduce copies, the first one streams the root's partial result
         # while it fills: hold it until that copy has all of it (and only then
         # finish a mean in place). Registered before the node runs, so that a
         # copy finishing early is not missed.
-        async with self._held_until_sent(spec.partial_key(root), hold=bool(spec.copies)):
-            result = await self._run_root(spec, value, start)
-        if not spec.children(root):  # a single input: its buffer is the input itself
-            result = result.copy()
-        op.finish(result, len(spec.inputs))
-        return result
+        async with self._held_until_sent(spec.partial_key(spec.root), hold=bool(spec.copies)):
+            return await self._run_root(spec, value, start)
 
     async def _run_root(self, spec: ReduceSpec, value: Any, start: Any) -> Any:
         """Run the root node while starting the others; on the first failure
@@ -687,13 +831,16 @@ class HopliteWorker(WorkerPlugin):
         if failed:
             for t in pending:
                 t.cancel()
-            await asyncio.gather(
+            aborts = asyncio.gather(
                 *(
                     w.rpc(a).hoplite_reduce_abort(rid=spec.rid)
                     for a in set(spec.addresses) | set(spec.copies)
                 ),
                 return_exceptions=True,
             )
+            # A hung peer never answers: do not wait for it longer than for a stream.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(aborts, self.config.stall_timeout)
             for t in pending:  # cancelled; collect their outcome without waiting
                 t.add_done_callback(lambda t: t.cancelled() or t.exception())
             self._drop_partials(spec.rid)

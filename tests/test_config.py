@@ -32,6 +32,8 @@ def test_defaults_are_loaded_and_documented():
         "latency",
         "reductions",
         "max-inputs",
+        "resume-attempts",
+        "allreduce-segment-min-bytes",
     ]:
         # every key has a comment right above it
         lines = text.splitlines()

@@ -191,3 +191,25 @@ def test_invariants_hold_under_any_event_sequence(fanout, evs):
     for key in list(d.objects):
         d.forget(key)
     assert len(d) == 0 and not d.transfers
+
+
+def test_a_resuming_receiver_never_gets_the_sender_it_gave_up_on():
+    d = ObjectDirectory(fanout=1)
+    d.request(K, "a", holders=["src", "src2"])  # src -> a
+    d.request(K, "b", holders=["src", "src2"])  # src2 -> b
+    d.request(K, "c", holders=["src", "src2"])  # a -> c (partial, depth 2)
+    # a's sender stalls: a asks again, excluding it. src2 is busy with b, c
+    # depends on a: b's partial copy (fed by src2) is the one to resume from.
+    decision = d.request(K, "a", holders=["src", "src2"], exclude=["src"])
+    assert isinstance(decision, Assign) and decision.sender == "b"
+    # Excluding every holder but a descendant leaves nothing to resume from.
+    assert d.request(K, "a", holders=["src", "src2"], exclude=["src", "src2", "b"]) == Queued(
+        K, "a"
+    )
+
+
+def test_partial_copies_fed_by_an_excluded_sender_are_not_assigned():
+    d = ObjectDirectory(fanout=2)
+    d.request(K, "a", holders=["src"])  # src -> a
+    # b gives up on src: a's partial copy also waits on src, so it is no help.
+    assert d.request(K, "b", holders=["src"], exclude=["src"]) == Missing(K, "b")

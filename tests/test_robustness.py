@@ -73,7 +73,7 @@ async def test_directory_rejects_a_mismatched_protocol(c, s, a, b):
     reply = await c.scheduler.hoplite_request(
         key="unknown", receiver=a.address, protocol=PROTOCOL_VERSION
     )
-    assert reply == {"status": "missing"}
+    assert reply == {"status": "missing", "gone": True}  # in memory nowhere
 
 
 @gen_cluster(client=True, nthreads=[("", 1)] * 2, config=SMALL)

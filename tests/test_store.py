@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_hoplite.store import BlockStore, BufferPool, BufferState, Layout, ObjectBuffer
+from dask_hoplite.store import (
+    BlockStore,
+    BufferPool,
+    BufferState,
+    Layout,
+    LayoutChanged,
+    ObjectBuffer,
+)
 
 
 def test_layout_blocks_never_span_frames():
@@ -161,3 +168,21 @@ def test_pool_picks_the_right_region_among_many_sizes():
     assert pool.reused == 3 and (a.size, b.size, c.size) == (4 * 2**20, 4 * 2**20, 2 * 2**20)
     assert not np.shares_memory(a, b)
     assert pool.idle_bytes == 8 * 2**20
+
+
+def test_content_identity_tells_copies_of_one_object_from_another_object():
+    a = np.arange(1_000_000, dtype="f8")
+    same = ObjectBuffer.from_frames("k", {}, [a.copy()]).layout
+    assert ObjectBuffer.from_frames("k", {}, [a]).layout == same
+    b = a.copy()
+    b[-1] = -1.0  # differs in the last block only
+    assert ObjectBuffer.from_frames("k", {}, [b]).layout.identity != same.identity
+    c = a.copy()
+    c[0] = -1.0
+    assert ObjectBuffer.from_frames("k", {}, [c]).layout.identity != same.identity
+    # a relay carries the identity on; a resuming receiver refuses another object
+    relay = ObjectBuffer("k")
+    relay.allocate(Layout.from_msg(same.to_msg()))
+    assert relay.layout == same
+    with pytest.raises(LayoutChanged, match="changed between senders"):
+        relay.allocate(ObjectBuffer.from_frames("k", {}, [b]).layout)

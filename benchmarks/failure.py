@@ -1,0 +1,269 @@
+"""Collectives with a worker killed mid-transfer, on an emulated cluster.
+
+Scenarios (N worker hosts, objects of S bytes, per-host bandwidth B):
+
+* ``broadcast-relay``   x (a task's result) on w0, one consumer on each other
+  worker, asked for in host order so that hoplite forms the chain
+  w0 -> w1 -> w2 -> ...; w1, the first relay, is SIGKILLed when half of S/B
+  has passed. Hoplite's receivers below it resume from the byte they reached
+  from another holder. Goal: within 2 S/B.
+* ``broadcast-source``  the same, killing w0, the only complete copy: x is
+  recomputed from its task (deterministic, so the partial copies resume; the
+  recompute time is measured alone and reported). Goal: recompute + 1.5 S/B.
+* ``reduce``            the sum of N inputs (one task each, one per worker),
+  killing a worker that is not the root's at half of S/B; the lost input is
+  recomputed and the reduction restarts. Goal: recompute + 2 S/B.
+
+Each scenario runs without failure too, with hoplite and with Dask's default
+(no plugin), on a fresh Dask cluster every time. Times are from the first
+request to the last surviving result; the results are checked.
+
+    python benchmarks/failure.py --workers 8 --rate-mbit 1000 --size 256MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dask.utils import format_bytes, parse_bytes  # noqa: E402
+
+from benchmarks.emulation import EmulatedCluster  # noqa: E402
+
+SCENARIOS = ("broadcast-relay", "broadcast-source", "reduce")
+METHODS = ("hoplite", "dask")
+
+# Runs inside the scheduler host's namespace: prints START when the
+# collective has been requested, then one JSON line with the outcome.
+CLIENT = r"""
+import json, sys, time
+import numpy as np
+from distributed import Client, wait
+
+addr, method, scenario, size, n, stagger = sys.argv[1:7]
+size, n, stagger = int(size), int(n), float(stagger)
+
+def make(nbytes, seed):
+    return np.random.default_rng(seed).random(nbytes // 8)
+
+def fingerprint(x):
+    x = np.asarray(x)
+    return [int(x.size), float(x[:: max(1, x.size // 4096)].sum())]
+
+c = Client(addr, timeout=60)
+if method == "hoplite":
+    import dask_hoplite
+    c.register_plugin(dask_hoplite.Hoplite())
+ws = sorted(c.scheduler_info(n_workers=-1)["workers"], key=lambda a: HOSTS.index(a.split("//")[1].rsplit(":", 1)[0]))
+out = {}
+if scenario.startswith("broadcast"):
+    t = time.perf_counter()
+    x = c.submit(make, size, 1, workers=[ws[0]], allow_other_workers=True, pure=False)
+    wait(x)
+    out["compute"] = time.perf_counter() - t
+    expected = c.submit(fingerprint, x, workers=[ws[0]], pure=False).result()
+    print("START", flush=True)
+    t0 = time.perf_counter()
+    consumers = []
+    for w in ws[1:]:
+        consumers.append(c.submit(fingerprint, x, workers=[w], pure=False))
+        time.sleep(stagger)
+    victim = 0 if scenario == "broadcast-source" else 1
+    survivors = [f for f, w in zip(consumers, ws[1:]) if w != ws[victim]]
+    wait(survivors, timeout=900)
+    out["time"] = time.perf_counter() - t0
+    got = c.gather(survivors)
+    out["ok"] = all(g == expected for g in got)
+else:
+    inputs = [c.submit(make, size, i, workers=[w], allow_other_workers=True, pure=False)
+              for i, w in enumerate(ws)]
+    wait(inputs)
+    t = time.perf_counter()
+    wait(c.submit(make, size, 99, workers=[ws[-1]], pure=False))
+    out["compute"] = time.perf_counter() - t
+    expected = sum(make(size, i) for i in range(len(ws)))
+    print("START", flush=True)
+    t0 = time.perf_counter()
+    if method == "hoplite":
+        import dask_hoplite as dh
+        total = dh.reduce(inputs, "sum")
+    else:
+        total = c.submit(lambda *xs: sum(xs), *inputs, workers=[ws[0]], pure=False)
+    wait(total, timeout=900)
+    out["time"] = time.perf_counter() - t0
+    out["ok"] = bool(np.allclose(total.result(), expected))
+if method == "hoplite":
+    stats = c.run(lambda dask_worker: dict(dask_worker.plugins["hoplite-worker"].stats))
+    out["resumes"] = sum(s.get("resumes", 0) for s in stats.values())
+    out["restarts"] = sum(s.get("restarts", 0) for s in stats.values())
+print(json.dumps(out), flush=True)
+"""
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    method: str
+    killed: bool
+    n: int
+    size: int
+    rate_mbit: float
+    time: float
+    compute: float
+    bound: float
+    ok: bool
+    resumes: int = 0
+    restarts: int = 0
+    note: str = ""
+
+    @property
+    def x_bound(self) -> float:
+        return self.time / self.bound
+
+
+def victim_of(scenario: str) -> str:
+    return {"broadcast-relay": "w1", "broadcast-source": "w0", "reduce": "w1"}[scenario]
+
+
+def run_one(
+    ec: EmulatedCluster,
+    scenario: str,
+    method: str,
+    size: int,
+    kill: bool,
+    kill_after: float | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 1200,
+    log_dir: str | None = None,
+) -> Outcome:
+    """One scenario on a fresh Dask cluster; ``kill``: SIGKILL the victim
+    ``kill_after`` seconds after the collective was requested (default: half
+    of S/B)."""
+    bound = size / ec.rate_bytes_per_s
+    ec.start_dask(env=env, log_dir=log_dir)
+    hosts = [ec.hosts[f"w{i}"].address for i in range(ec.n_workers)]
+    code = CLIENT.replace("HOSTS", repr(hosts))
+    stagger = min(0.2, 0.02 * bound)
+    p = subprocess.Popen(
+        [
+            *ec.exec_prefix("sched"),
+            sys.executable,
+            "-c",
+            code,
+            str(ec.scheduler_address),
+            method,
+            scenario,
+            str(size),
+            str(ec.n_workers),
+            str(stagger),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    note = ""
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if line.strip() != "START":
+            raise RuntimeError(f"client did not start: {line!r} {p.stderr.read()[-3000:]}")
+        if kill:
+            time.sleep(bound / 2 if kill_after is None else kill_after)
+            ec.signal(victim_of(scenario), signal.SIGKILL)
+        out_s, err_s = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"client failed ({p.returncode}): {err_s[-3000:]}")
+        out = json.loads(out_s.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, note = {"time": float("inf"), "ok": False, "compute": 0.0}, "HUNG"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        ec.stop_dask()
+    return Outcome(
+        scenario,
+        method,
+        kill,
+        ec.n_workers,
+        size,
+        ec.rate_mbit,
+        out["time"],
+        out.get("compute", 0.0),
+        bound,
+        bool(out["ok"]),
+        int(out.get("resumes", 0)),
+        int(out.get("restarts", 0)),
+        note or ("" if out["ok"] else "WRONG RESULT"),
+    )
+
+
+def goal(o: Outcome) -> str:
+    if not o.killed:
+        return ""
+    if o.scenario == "broadcast-relay":
+        return f"<= 2.00 S/B: {'yes' if o.time <= 2 * o.bound else 'NO'}"
+    if o.scenario == "broadcast-source":
+        ok = o.time <= o.compute + 1.5 * o.bound
+        return f"<= recompute + 1.5 S/B: {'yes' if ok else 'NO'}"
+    ok = o.time <= o.compute + 2 * o.bound
+    return f"<= recompute + 2 S/B: {'yes' if ok else 'NO'}"
+
+
+def print_table(results: list[Outcome]) -> None:
+    print(
+        f"{'scenario':18} {'method':8} {'killed':6} {'time s':>8} {'x S/B':>7} "
+        f"{'recompute s':>11} {'resumes':>7} {'restarts':>8}  goal"
+    )
+    for o in results:
+        print(
+            f"{o.scenario:18} {o.method:8} {'yes' if o.killed else 'no':6} {o.time:8.2f} "
+            f"{o.x_bound:7.2f} {o.compute:11.2f} {o.resumes:7d} {o.restarts:8d}  "
+            f"{goal(o)} {o.note}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--rate-mbit", type=float, default=1000)
+    ap.add_argument("--size", default="256MiB")
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--stall-timeout", default="10s", help="hoplite.stall-timeout")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args(argv)
+    size = parse_bytes(args.size)
+    env = {"DASK_HOPLITE__STALL_TIMEOUT": args.stall_timeout}
+    results: list[Outcome] = []
+    with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit) as ec:
+        for scenario in args.scenarios:
+            for method in args.methods:
+                for kill in (False, True):
+                    o = run_one(ec, scenario, method, size, kill, env=env)
+                    results.append(o)
+                    print_table([o])
+    print()
+    print(f"N={args.workers}, {args.rate_mbit:g} Mbit/s, S={format_bytes(size)}")
+    print_table(results)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"failure-n{args.workers}-{args.size}.json")
+    with open(path, "w") as f:
+        json.dump([asdict(o) for o in results], f, indent=1)
+    print(f"wrote {path}")
+    return 0 if all(o.ok for o in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

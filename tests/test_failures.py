@@ -1,0 +1,50 @@
+"""Workers killed in the middle of a collective, on an emulated cluster (real
+processes, real rate-limited network, SIGKILL): broadcasts resume from the
+byte they reached, a lost source is recomputed and its partial copies
+resume, a reduction restarts around a dead participant. Needs root and
+iproute2 (CI has both); skipped elsewhere."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import emulation  # noqa: E402
+from benchmarks.failure import run_one  # noqa: E402
+
+ok, why = emulation.available()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(not ok, reason=why or "")]
+
+SIZE = 48 * 2**20  # 2 s per full copy at 200 Mbit/s
+ENV = {"DASK_HOPLITE__STALL_TIMEOUT": "5s"}
+
+
+@pytest.fixture(scope="module")
+def ec():
+    with emulation.EmulatedCluster(4, rate_mbit=200) as cluster:
+        yield cluster
+
+
+@pytest.mark.timeout(300)
+def test_receivers_below_a_dead_relay_resume_from_the_byte_they_reached(ec):
+    o = run_one(ec, "broadcast-relay", "hoplite", SIZE, kill=True, env=ENV)
+    assert o.ok, o
+    assert o.resumes >= 1 and o.restarts == 0, o
+    # resumed, not restarted: well under the time of two whole copies
+    assert o.time < 2 * o.bound, o
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_source_is_recomputed_and_partial_copies_resume(ec):
+    o = run_one(ec, "broadcast-source", "hoplite", SIZE, kill=True, env=ENV)
+    assert o.ok, o
+    assert o.restarts == 0, o  # the recomputed object is the same: nothing restarts
+
+
+@pytest.mark.timeout(300)
+def test_a_reduction_survives_a_dead_participant(ec):
+    o = run_one(ec, "reduce", "hoplite", SIZE, kill=True, env=ENV)
+    assert o.ok, o
