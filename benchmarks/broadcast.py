@@ -7,7 +7,11 @@ Methods (each on a fresh Dask cluster over the same emulated network):
                       (every consumer pulls a whole copy from the one holder);
 * ``dask-replicate``  ``client.replicate`` without the plugin (AMM on, the default);
 * ``hoplite``         the same pinned consumers with the plugin registered;
-* ``hoplite-replicate`` ``client.replicate`` with the plugin.
+* ``hoplite-replicate`` ``client.replicate`` with the plugin;
+* ``mpi`` / ``mpi-tuned`` mpi4py ``Bcast`` from rank 0, one rank per worker host, with
+                      Open MPI's default algorithm / a forced pipeline (``mpi_peers.py``;
+                      Dask is stopped meanwhile). Run by default when mpi4py and
+                      mpirun are installed, skipped with a note otherwise.
 
 Every time is reported as a ratio to the physical bound S/B (every receiver's
 NIC must carry S bytes) and to Dask's default measured in the same run, with
@@ -31,9 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
+from benchmarks import mpi_peers  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 
 METHODS = ("dask", "hoplite", "dask-replicate", "hoplite-replicate")
+MPI_METHODS = mpi_peers.BROADCAST_METHODS
 
 
 @dataclass
@@ -163,12 +169,31 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
     )
 
 
+def measure_mpi(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: float) -> Result:
+    """``mpi``/``mpi-tuned``: mpi4py ``Bcast`` on the same hosts (no Dask running)."""
+    r = mpi_peers.run_method(ec, method, size, reps, timeout=60 + (reps + 1) * timeout)
+    return Result(
+        method,
+        ec.n_workers,
+        size,
+        ec.rate_mbit,
+        r.seconds,
+        r.all_seconds,
+        size / ec.rate_bytes_per_s,
+        r.root_tx_bytes,
+        r.cpu,
+        r.ok,
+        r.note,
+    )
+
+
 def print_table(
     results: list[Result], nic_label: str = "src egress", baseline: str = "dask"
 ) -> None:
     base = {(r.size): r.seconds for r in results if r.op == baseline}
+    w = max([18, *(len(r.op) for r in results)])
     hdr = (
-        f"{'op':<18} {'N':>3} {'S':>9} {'rate':>9} {'cold s':>7} {'seconds':>8} {'x S/B':>7} "
+        f"{'op':<{w}} {'N':>3} {'S':>9} {'rate':>9} {'cold s':>7} {'seconds':>8} {'x S/B':>7} "
         f"{'x ' + baseline:>7} {nic_label:>11} {'x S':>5} {'CPU%':>5}  note"
     )
     print(hdr)
@@ -176,7 +201,7 @@ def print_table(
     for r in results:
         vs = r.seconds / base[r.size] if r.size in base else float("nan")
         print(
-            f"{r.op:<18} {r.n_workers:>3} {format_bytes(r.size):>9} "
+            f"{r.op:<{w}} {r.n_workers:>3} {format_bytes(r.size):>9} "
             f"{r.rate_mbit:>6.0f}Mb/s {r.all_seconds[0]:>7.3f} {r.seconds:>8.3f} "
             f"{r.ratio_bound:>7.2f} {vs:>7.2f} "
             f"{format_bytes(r.source_tx_bytes):>11} {r.source_tx_bytes / r.size:>5.2f} "
@@ -232,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-mbit", type=float, default=1000)
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--sizes", nargs="+", default=["1MiB", "64MiB", "256MiB"])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS + MPI_METHODS,
+        help="default: all (the MPI ones only when mpi4py and mpirun are installed)",
+    )
     p.add_argument("--reps", type=int, default=3, help="warm reps after one cold rep")
     p.add_argument(
         "--timeout-bounds",
@@ -247,14 +277,18 @@ def main(argv: list[str] | None = None) -> int:
         print_saved(args.show)
         return 0
 
+    methods = mpi_peers.select_methods(args.methods, METHODS, MPI_METHODS)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     results: list[Result] = []
     with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit, mtu=args.mtu) as ec:
         ec.enter_namespace("sched")
         for size in [parse_bytes(s) for s in args.sizes]:
             timeout = max(20.0, args.timeout_bounds * size / ec.rate_bytes_per_s)
-            for method in args.methods:
-                r = measure(ec, method, size, args.reps, timeout)
+            for method in methods:
+                if method in MPI_METHODS:
+                    r = measure_mpi(ec, method, size, args.reps, timeout)
+                else:
+                    r = measure(ec, method, size, args.reps, timeout)
                 print(f"# {method} {format_bytes(size)}: {r.all_seconds}", flush=True)
                 results.append(r)
     print()
@@ -263,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump([asdict(r) for r in results], f, indent=1)
     plot(results, args.out + ".png")
     print(f"\nwrote {args.out}.json and {args.out}.png")
-    return 0 if all(r.ok for r in results if r.op.startswith("hoplite")) else 1
+    return 0 if all(r.ok for r in results if r.op.startswith(("hoplite", "mpi"))) else 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@ Methods (each on a fresh Dask cluster over the same emulated network):
   one-task sum, then one consumer task pinned to each worker; hoplite:
   ``dask_hoplite.allreduce``), bound 2(N-1)/N * S/B;
 * ``dask-gather`` / ``hoplite-gather``: the list of all inputs on worker 0 (one
-  task taking all inputs, with and without the plugin), bound (N-1) * S/B.
+  task taking all inputs, with and without the plugin), bound (N-1) * S/B;
+* ``mpi-reduce``, ``mpi-allreduce``, ``mpi-gather`` and their ``mpi-tuned-*``
+  counterparts: mpi4py ``Reduce`` (``MPI.SUM``) / ``Allreduce`` / ``Gather`` to
+  rank 0, one rank per worker host, with Open MPI's default algorithm / forced
+  ones (``mpi_peers.py``; Dask is stopped meanwhile). Run by default when mpi4py
+  and mpirun are installed, skipped with a note otherwise.
 
 Reported as a ratio to the bound S/B (every contributor's NIC must carry S)
 and to ``dask-task``, with the largest ingress any host saw (its NIC counter)
@@ -37,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
+from benchmarks import mpi_peers  # noqa: E402
 from benchmarks.broadcast import Result, cpu_seconds, plot, print_table  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 
@@ -51,6 +57,7 @@ METHODS = (
     "dask-gather",
     "hoplite-gather",
 )
+MPI_METHODS = mpi_peers.REDUCE_METHODS
 
 
 def bound_factor(method: str, n: int) -> float:
@@ -187,6 +194,24 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
     )
 
 
+def measure_mpi(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
+    """``mpi-*``: mpi4py ``Reduce``/``Allreduce``/``Gather`` on the same hosts (no Dask running)."""
+    r = mpi_peers.run_method(ec, method, size, reps)
+    return Result(
+        method,
+        ec.n_workers,
+        size,
+        ec.rate_mbit,
+        r.seconds,
+        r.all_seconds,
+        bound_factor(method, ec.n_workers) * size / ec.rate_bytes_per_s,
+        r.max_rx_bytes,
+        r.cpu,
+        r.ok,
+        r.note,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -194,17 +219,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--rate-mbit", type=float, default=1000)
     p.add_argument("--sizes", nargs="+", default=["64MiB", "256MiB"])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS + MPI_METHODS,
+        help="default: all (the MPI ones only when mpi4py and mpirun are installed)",
+    )
     p.add_argument("--reps", type=int, default=3, help="warm reps after one cold rep")
     p.add_argument("--out", default="benchmarks/results/reduce")
     args = p.parse_args(argv)
+    methods = mpi_peers.select_methods(args.methods, METHODS, MPI_METHODS)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     results: list[Result] = []
     with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit) as ec:
         ec.enter_namespace("sched")
         for size in [parse_bytes(s) for s in args.sizes]:
-            for method in args.methods:
-                r = measure(ec, method, size, args.reps)
+            for method in methods:
+                if method in MPI_METHODS:
+                    r = measure_mpi(ec, method, size, args.reps)
+                else:
+                    r = measure(ec, method, size, args.reps)
                 print(f"# {method} {format_bytes(size)}: {r.all_seconds}", flush=True)
                 results.append(r)
     print()
