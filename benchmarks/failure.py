@@ -10,6 +10,9 @@ Scenarios (N worker hosts, objects of S bytes, per-host bandwidth B):
 * ``broadcast-source``  the same, killing w0, the only complete copy: x is
   recomputed from its task (deterministic, so the partial copies resume; the
   recompute time is measured alone and reported). Goal: recompute + 1.5 S/B.
+* ``broadcast-retire``  like ``broadcast-relay``, but w1 is retired with
+  ``client.retire_workers`` instead of killed: nothing may be lost and the
+  receivers below it resume rather than restart.
 * ``reduce``            the sum of N inputs (one task each, one per worker),
   killing a worker that is not the root's at half of S/B; the lost input is
   recomputed and the reduction restarts. Goal: recompute + 2 S/B.
@@ -38,7 +41,7 @@ from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 
-SCENARIOS = ("broadcast-relay", "broadcast-source", "reduce")
+SCENARIOS = ("broadcast-relay", "broadcast-source", "reduce", "broadcast-retire")
 METHODS = ("hoplite", "dask")
 
 # Runs inside the scheduler host's namespace: prints START when the
@@ -48,8 +51,8 @@ import json, sys, time
 import numpy as np
 from distributed import Client, wait
 
-addr, method, scenario, size, n, stagger = sys.argv[1:7]
-size, n, stagger = int(size), int(n), float(stagger)
+addr, method, scenario, size, n, stagger, retire_after = sys.argv[1:8]
+size, n, stagger, retire_after = int(size), int(n), float(stagger), float(retire_after)
 
 def make(nbytes, seed):
     return np.random.default_rng(seed).random(nbytes // 8)
@@ -72,14 +75,29 @@ if scenario.startswith("broadcast"):
     expected = c.submit(fingerprint, x, workers=[ws[0]], pure=False).result()
     print("START", flush=True)
     t0 = time.perf_counter()
+    retiring = scenario == "broadcast-retire" and retire_after < 1e8
+    if retiring:
+        import threading
+        def retire():
+            time.sleep(retire_after)
+            out["retired"] = list(c.retire_workers([ws[1]], close_workers=True))
+        retirer = threading.Thread(target=retire)
+        retirer.start()
     consumers = []
     for w in ws[1:]:
-        consumers.append(c.submit(fingerprint, x, workers=[w], pure=False))
+        consumers.append(
+            c.submit(fingerprint, x, workers=[w], allow_other_workers=True, pure=False)
+        )
         time.sleep(stagger)
     victim = 0 if scenario == "broadcast-source" else 1
-    survivors = [f for f, w in zip(consumers, ws[1:]) if w != ws[victim]]
+    # a retired worker's consumer runs elsewhere; a killed one's is lost with it
+    survivors = [
+        f for f, w in zip(consumers, ws[1:]) if w != ws[victim] or scenario == "broadcast-retire"
+    ]
     wait(survivors, timeout=900)
     out["time"] = time.perf_counter() - t0
+    if retiring:
+        retirer.join()
     got = c.gather(survivors)
     out["ok"] = all(g == expected for g in got)
 else:
@@ -130,7 +148,12 @@ class Outcome:
 
 
 def victim_of(scenario: str) -> str:
-    return {"broadcast-relay": "w1", "broadcast-source": "w0", "reduce": "w1"}[scenario]
+    return {
+        "broadcast-relay": "w1",
+        "broadcast-source": "w0",
+        "reduce": "w1",
+        "broadcast-retire": "w1",
+    }[scenario]
 
 
 def run_one(
@@ -164,6 +187,7 @@ def run_one(
             str(size),
             str(ec.n_workers),
             str(stagger),
+            str((bound / 2 if kill_after is None else kill_after) if kill else 1e9),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -176,7 +200,7 @@ def run_one(
         line = p.stdout.readline()
         if line.strip() != "START":
             raise RuntimeError(f"client did not start: {line!r} {p.stderr.read()[-3000:]}")
-        if kill:
+        if kill and scenario != "broadcast-retire":  # the client retires w1 itself
             time.sleep(bound / 2 if kill_after is None else kill_after)
             ec.signal(victim_of(scenario), signal.SIGKILL)
         out_s, err_s = p.communicate(timeout=timeout)
@@ -210,7 +234,7 @@ def run_one(
 def goal(o: Outcome) -> str:
     if not o.killed:
         return ""
-    if o.scenario == "broadcast-relay":
+    if o.scenario in ("broadcast-relay", "broadcast-retire"):
         return f"<= 2.00 S/B: {'yes' if o.time <= 2 * o.bound else 'NO'}"
     if o.scenario == "broadcast-source":
         ok = o.time <= o.compute + 1.5 * o.bound

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 from dask.base import is_dask_collection
-from distributed import Client, Future, as_completed, default_client, get_worker
+from distributed import Client, Future, as_completed, default_client, get_worker, secede
 from distributed.utils import sync
 
 from dask_hoplite.config import HopliteConfig
@@ -78,8 +78,13 @@ def _as_list(*xs: Any) -> list[Any]:
 
 
 def _on_worker_plugin(method: str, *args: Any) -> Any:
-    """Run the worker part's coroutine ``method`` from a task's thread."""
+    """Run the worker part's coroutine ``method`` from a task's thread.
+
+    The task leaves the worker's thread pool first (``secede``): it only
+    waits for the event loop, and a reduction that lost an input needs that
+    input recomputed, possibly on this very worker, while it waits."""
     w = get_worker()
+    secede()
     plugin = w.plugins.get("hoplite-worker")
     if not isinstance(plugin, HopliteWorker):
         raise RuntimeError(
@@ -91,12 +96,12 @@ def _on_worker_plugin(method: str, *args: Any) -> Any:
 
 def _allreduce_copy(spec: dict[str, Any], j: int) -> Any:
     """The Dask task of allreduce copy ``j`` (runs on that copy's worker)."""
-    return _on_worker_plugin("pull_copy", spec, j)
+    return _on_worker_plugin("run_copy", spec, j)
 
 
 def _reduce_root(value: Any, spec: dict[str, Any]) -> Any:
     """The Dask task of a reduction's root (runs on the root input's worker)."""
-    return _on_worker_plugin("run_reduction", value, spec)
+    return _on_worker_plugin("run_root", value, spec)
 
 
 async def _reduce_async(
@@ -163,9 +168,9 @@ async def _reduce_async(
         spec.to_msg(),
         key=f"hoplite-reduce-{rop.name}-{spec.rid}",
         workers=[addresses[root]],
-        # a plain reduction survives the death of its root's worker: Dask runs
-        # the root elsewhere and the root locates the inputs again
-        allow_other_workers=not copies,
+        # the root survives the death of its worker: Dask runs it elsewhere
+        # and it locates the inputs again (an allreduce root reduces anew)
+        allow_other_workers=True,
         pure=False,
     )
     setattr(result, _INPUTS_ATTR, keys)
@@ -180,7 +185,7 @@ async def _reduce_async(
             j,
             key=f"hoplite-allreduce-{rop.name}-{spec.rid}-{j}",
             workers=[addr],
-            allow_other_workers=False,
+            allow_other_workers=True,  # a dead worker's copy is made elsewhere
             pure=False,
         )
         for j, addr in enumerate(spec.copies)
@@ -252,7 +257,7 @@ def _allreduce_segmented(
             i,
             key=f"hoplite-allreduce-{op}-{rid}-{i}",
             workers=[wi],
-            allow_other_workers=False,
+            allow_other_workers=True,  # a dead worker's part is made elsewhere
             pure=False,
         )
         for i, wi in enumerate(distinct)

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 from dask.typing import Key  # noqa: E402
 
-_HANDLERS = ("hoplite_request", "hoplite_info", "hoplite_network")
+_HANDLERS = ("hoplite_request", "hoplite_info", "hoplite_network", "hoplite_key_states")
 _STREAM_HANDLERS = ("hoplite-finished", "hoplite-released")
 
 
@@ -128,6 +128,7 @@ class Hoplite(SchedulerPlugin):
         s.handlers["hoplite_request"] = self.handle_request
         s.handlers["hoplite_info"] = self.handle_info
         s.handlers["hoplite_network"] = self.handle_network
+        s.handlers["hoplite_key_states"] = self.handle_key_states
         s.stream_handlers["hoplite-finished"] = self.handle_finished
         s.stream_handlers["hoplite-released"] = self.handle_released
 
@@ -269,6 +270,17 @@ class Hoplite(SchedulerPlugin):
         if self.network is not None and ok:
             self.network.observe_transfer(int(nbytes), float(seconds))
             self.network.observe_latency(float(latency))
+
+    def handle_key_states(self, keys: list[Key]) -> dict[Key, str | None]:
+        """RPC ``hoplite_key_states``: the scheduler's state of each key (None:
+        unknown), so a reduction waiting for a lost input can tell a
+        recomputation under way from an input that is gone for good."""
+        assert self.scheduler is not None
+        out: dict[Key, str | None] = {}
+        for key in keys:
+            ts = self.scheduler.tasks.get(key)
+            out[key] = None if ts is None else ts.state
+        return out
 
     def handle_network(self) -> dict[str, Any]:
         """RPC ``hoplite_network``: the bandwidth and latency reduce trees are

@@ -17,6 +17,7 @@ a block never spans two frames, so every block is one contiguous view.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import hashlib
 import mmap
@@ -152,7 +153,7 @@ class BufferPool:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._idle: list[np.ndarray] = []
+        self._idle: list[mmap.mmap] = []
         self._since: dict[int, float] = {}  # id(region) -> when it became idle
         self._lock = threading.Lock()
         self.reused = 0
@@ -161,7 +162,7 @@ class BufferPool:
     @property
     def idle_bytes(self) -> int:
         with self._lock:
-            return sum(r.size for r in self._idle)
+            return sum(len(r) for r in self._idle)
 
     def allocate(self, nbytes: int) -> np.ndarray:
         """An uninitialised byte array of exactly ``nbytes``."""
@@ -170,31 +171,39 @@ class BufferPool:
         size = -(-nbytes // self.GRANULE) * self.GRANULE
         region = None
         with self._lock:
-            fits = [i for i, r in enumerate(self._idle) if size <= r.size <= size + size // 4]
+            fits = [i for i, r in enumerate(self._idle) if size <= len(r) <= size + size // 4]
             if fits:
-                # by index: list.remove would compare arrays elementwise
-                region = self._idle.pop(min(fits, key=lambda i: self._idle[i].size))
+                region = self._idle.pop(min(fits, key=lambda i: len(self._idle[i])))
                 self._since.pop(id(region), None)
                 self.reused += 1
         if region is None:
             # Anonymous mmap, not np.empty: numpy advises huge pages for large
             # arrays, and with THP defrag "madvise" a fault may then compact
             # memory synchronously.
-            region = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+            region = mmap.mmap(-1, size)
             self.allocated += 1
-        handle = region[:nbytes]
+        # The handle is the only exporter of the region's bytes: a ctypes
+        # array over the mmap. Every numpy array and memoryview derived from
+        # the returned array (numpy collapses view bases only through
+        # ndarrays, and a memoryview of a memoryview refers to the original
+        # exporter) keeps the handle alive, so the region goes back to the
+        # pool only when nothing can read or write it any more. (A numpy view
+        # of an ndarray over the mmap would not do: its base collapses to the
+        # mmap itself, which consumers such as Dask's deserialisation then
+        # export directly, and the region would be reused under them.)
+        handle = (ctypes.c_char * nbytes).from_buffer(region)
         weakref.finalize(handle, self._give_back, region)
-        return handle
+        return np.frombuffer(handle, dtype=np.uint8)  # type: ignore[call-overload]
 
-    def _give_back(self, region: np.ndarray) -> None:
+    def _give_back(self, region: mmap.mmap) -> None:
         with self._lock:
             self._idle.append(region)
             self._since[id(region)] = time.monotonic()
-            total = sum(r.size for r in self._idle)
+            total = sum(len(r) for r in self._idle)
             while self._idle and total > self.capacity:
                 old = self._idle.pop(0)  # oldest first
                 self._since.pop(id(old), None)
-                total -= old.size
+                total -= len(old)
 
     def trim(self, max_idle: float, now: float | None = None) -> int:
         """Unmap regions idle for longer than ``max_idle`` seconds, so that a
@@ -207,7 +216,7 @@ class BufferPool:
             for r in self._idle:
                 if now - self._since.get(id(r), now) > max_idle:
                     self._since.pop(id(r), None)
-                    freed += r.size
+                    freed += len(r)
                 else:
                     keep.append(r)
             self._idle = keep

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import math
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterator
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 from dask._task_spec import Task
-from distributed import Reschedule, WorkerPlugin, get_worker
+from distributed import Reschedule, WorkerPlugin, get_worker, secede
 from distributed.comm.core import Comm, CommClosedError
 from distributed.core import Status
 from distributed.protocol import deserialize, serialize
@@ -772,16 +773,31 @@ class HopliteWorker(WorkerPlugin):
         w = self.worker
         assert w is not None
         keys = list(spec.inputs)
-        deadline = time() + 4 * self.config.stall_timeout
+        # A lost input is recomputed by the scheduler (waiting, queued,
+        # processing...): wait for it, up to queue-timeout of no change; one
+        # that cannot come back (erred, or never computed by a task) is final.
+        deadline = time() + self.config.queue_timeout
+        last: dict[Key, str | None] = {}
         while True:
             who_has = await w.scheduler.who_has(keys=keys)
             missing = [k for k in keys if not who_has.get(k)]
             if not missing:
                 break
-            if time() > deadline:
+            states = await w.scheduler.hoplite_key_states(keys=missing)
+            for key in missing:
+                state = states.get(key)
+                if state in (None, "erred", "forgotten"):
+                    raise RuntimeError(
+                        f"input {key!r} of the reduction was lost and cannot be recomputed "
+                        f"(scheduler state: {state or 'unknown'})"
+                    )
+            if states != last:
+                last, deadline = states, time() + self.config.queue_timeout
+            elif time() > deadline:
                 raise RuntimeError(
                     f"input {missing[0]!r} of the reduction was lost and has not been "
-                    f"recomputed within {4 * self.config.stall_timeout:g}s"
+                    f"recomputed (stuck in state {states.get(missing[0])!r} for "
+                    f"{self.config.queue_timeout:g}s)"
                 )
             await asyncio.sleep(0.1)
         addresses = []
@@ -859,6 +875,30 @@ class HopliteWorker(WorkerPlugin):
         w = self.worker
         assert w is not None
         me = w.address
+        mine_spec = specs[mine]
+        if mine_spec.addresses[mine_spec.root] != me:
+            # Dask ran this part on another worker (its own died): the
+            # segments' pipelines are broken; reduce everything here.
+            return await self.reduce_anew(mine_spec, mine_spec.root, value)
+        try:
+            return await self._allreduce_part(value, spec_msgs, specs, mine)
+        except ReduceInputError:
+            raise
+        except Exception as e:
+            logger.warning(
+                "segmented allreduce %s broke (%s: %s); reducing all inputs here",
+                mine_spec.rid,
+                type(e).__name__,
+                e,
+            )
+            return await self.reduce_anew(mine_spec, mine_spec.root, value)
+
+    async def _allreduce_part(
+        self, value: Any, spec_msgs: list[dict[str, Any]], specs: list[ReduceSpec], mine: int
+    ) -> Any:
+        w = self.worker
+        assert w is not None
+        me = w.address
         own = self.run_reduction(value, spec_msgs[mine])
         others = [
             self.pull_copy(spec_msgs[i], specs[i].copies.index(me))
@@ -873,16 +913,96 @@ class HopliteWorker(WorkerPlugin):
         order = [mine, *(i for i in range(len(specs)) if i != mine)]
         first = segments[0]
         full = dataclasses.replace(specs[mine], shape=np.shape(value))
-        out = np.empty(full.shape, dtype=first.dtype)
-        flat = out.reshape(-1)
+        # From the buffer pool: fresh memory would be faulted in page by page
+        # (measured: as much CPU as receiving the segments). The region goes
+        # back to the pool when the result array dies (memoryview -> handle).
+        count = math.prod(full.shape)
+        mem = memoryview(self.store.pool.allocate(count * first.dtype.itemsize))  # type: ignore[arg-type]
+        flat = np.frombuffer(mem, dtype=first.dtype, count=count)
+        out = flat.reshape(full.shape)
         for i, seg in zip(order, segments, strict=True):
             lo, hi = dataclasses.replace(specs[i], shape=full.shape).bounds()
             flat[lo:hi] = seg
         return out
 
+    async def reduce_anew(self, spec: ReduceSpec, slot: int, value: Any) -> Any:
+        """The failure path of allreduce: the whole reduction of ``spec``'s
+        inputs, as a plain (restartable) reduce tree rooted here with input
+        ``slot`` (``value``: this worker's copy of it, or None to find one)."""
+        w = self.worker
+        assert w is not None
+        self._count("allreduce-fallbacks")
+        n = len(spec.inputs)
+        if value is None:
+            local = [i for i, k in enumerate(spec.inputs) if k in w.data]
+            if local:
+                slot, value = local[0], w.data[spec.inputs[local[0]]]
+            else:
+                who_has = await w.scheduler.who_has(keys=[spec.inputs[slot]])
+                [value] = await self.fetch_parts(
+                    [spec.inputs[slot]],
+                    {spec.inputs[slot]: list(who_has.get(spec.inputs[slot]) or [])},
+                )
+        net = await network_estimate(w.scheduler)
+        size = int(getattr(value, "nbytes", 0) or 0)
+        plan = plan_reduce_tree(n, max_chain_length(size, net.bandwidth, net.latency))
+        order = list(range(n))
+        order[plan.root], order[slot] = order[slot], order[plan.root]
+        addresses = [spec.addresses[i] for i in order]
+        addresses[plan.root] = w.address
+        plain = dataclasses.replace(
+            spec,
+            rid=uuid.uuid4().hex,
+            inputs=tuple(spec.inputs[i] for i in order),
+            addresses=tuple(addresses),
+            parent=plan.parent,
+            copies=(),
+            segment=None,
+            shape=(),
+            dtype="",
+        )
+        return await self.run_reduction(value, plain.to_msg())
+
+    async def run_copy(self, spec_msg: dict[str, Any], j: int) -> Any:
+        """Allreduce copy ``j`` as a Dask task: :meth:`pull_copy`, or, if the
+        pipeline broke (a worker died or stalled), the whole reduction here."""
+        try:
+            return await self.pull_copy(spec_msg, j)
+        except ReduceInputError:
+            raise
+        except Exception as e:
+            spec = ReduceSpec.from_msg(spec_msg)
+            logger.warning(
+                "allreduce copy %d of %s broke (%s: %s); reducing all inputs here",
+                j,
+                spec.rid,
+                type(e).__name__,
+                e,
+            )
+            return await self.reduce_anew(spec, spec.root, None)
+
+    async def run_root(self, value: Any, spec_msg: dict[str, Any]) -> Any:
+        """The root of a reduction as a Dask task: :meth:`run_reduction`; an
+        allreduce root whose copies broke reduces anew (the copies do too)."""
+        spec = ReduceSpec.from_msg(spec_msg)
+        assert self.worker is not None
+        if spec.copies and spec.addresses[spec.root] != self.worker.address:
+            return await self.reduce_anew(spec, spec.root, value)  # its worker died
+        try:
+            return await self.run_reduction(value, spec_msg)
+        except ReduceInputError:
+            raise
+        except Exception:
+            if not spec.copies:
+                raise
+            return await self.reduce_anew(spec, spec.root, value)
+
     async def pull_copy(self, spec_msg: dict[str, Any], j: int) -> Any:
         """Allreduce copy ``j``: stream the result from the previous copy (or
-        the root) while it is being reduced, serve the next copy likewise."""
+        the root) while it is being reduced, serve the next copy likewise.
+        An abort of the reduction (``hoplite_reduce_abort``) stops only this
+        copy's stream, which then fails with an error (not a cancellation of
+        its caller)."""
         w = self.worker
         assert w is not None
         spec = ReduceSpec.from_msg(spec_msg)
@@ -892,14 +1012,22 @@ class HopliteWorker(WorkerPlugin):
         key = spec.copy_key(j)
         buf = self.store.announce(key)
         self.announced(key)
-        task = asyncio.current_task()
-        assert task is not None
-        try:
-            with self._tracked(spec.rid, task):
-                return await self._pull_copy(spec, j, src_addr, src_key, buf)
-        except BaseException as e:
-            buf.fail(e if isinstance(e, Exception) else RuntimeError("allreduce copy aborted"))
-            raise
+        task = asyncio.create_task(self._pull_copy(spec, j, src_addr, src_key, buf))
+        with self._tracked(spec.rid, task):
+            try:
+                await asyncio.wait({task})
+            except BaseException:  # we were cancelled ourselves
+                task.cancel()
+                buf.fail(RuntimeError("allreduce copy cancelled"))
+                raise
+        if task.cancelled():
+            error: BaseException = RuntimeError(f"allreduce copy {j} of {spec.rid} was aborted")
+        else:
+            error = task.exception()  # type: ignore[assignment]
+            if error is None:
+                return task.result()
+        buf.fail(error if isinstance(error, Exception) else RuntimeError(str(error)))
+        raise error
 
     async def _pull_copy(
         self, spec: ReduceSpec, j: int, src_addr: str, src_key: Key, buf: ObjectBuffer
@@ -934,6 +1062,7 @@ def _run_graph_reduce(
     w = get_worker()
     plugin = w.plugins.get(PLUGIN_NAME)
     if isinstance(plugin, HopliteWorker) and plugin.worker is w:
+        secede()  # only waits on the event loop; keep the thread slot free
         try:
             combined = sync(w.loop, plugin.graph_reduce, fn, keys, who_has, max(nbytes.values()))
             return fn.finish(combined)

@@ -48,3 +48,11 @@ def test_a_lost_source_is_recomputed_and_partial_copies_resume(ec):
 def test_a_reduction_survives_a_dead_participant(ec):
     o = run_one(ec, "reduce", "hoplite", SIZE, kill=True, env=ENV)
     assert o.ok, o
+
+
+@pytest.mark.timeout(300)
+def test_retiring_a_relay_mid_broadcast_loses_nothing_and_does_not_restart(ec):
+    o = run_one(ec, "broadcast-retire", "hoplite", SIZE, kill=True, env=ENV)
+    assert o.ok, o  # every consumer, the retired worker's included (run elsewhere)
+    assert o.resumes >= 1 and o.restarts == 0, o
+    assert o.time < 2 * o.bound, o

@@ -135,6 +135,35 @@ def test_pool_reuses_a_region_only_after_every_reference_died():
     assert pool.idle_bytes == 2 * 4 * 2**20
 
 
+def test_pool_region_outlives_its_array_through_every_route_a_consumer_takes():
+    """Found by the chaos test: a deserialised result lost its memory to the
+    pool while still in use, because numpy collapses view bases past a
+    non-owning array straight to the mmap, and Dask's deserialisation then
+    exported the mmap itself. Every derived object must pin the region."""
+    from distributed.protocol import deserialize, serialize
+
+    pool = BufferPool(capacity=64 * 2**20)
+    n = 4 * 2**20
+    routes = []
+    for make in (
+        lambda a: a[8:].view(np.float64),
+        lambda a: np.frombuffer(memoryview(memoryview(a)), dtype=np.uint8),
+        lambda a: deserialize(*serialize(a.view(np.float64), serializers=("dask",))),
+        lambda a: np.asarray(memoryview(a).cast("d")),
+    ):
+        a = pool.allocate(n)
+        a[:] = 7
+        user = make(a)
+        del a
+        gc.collect()
+        fresh = pool.allocate(n)  # must not be the region `user` reads
+        fresh[:] = 0
+        assert not np.shares_memory(fresh, user)
+        assert np.all(np.asarray(user).view(np.uint8) == 7)
+        routes.append((user, fresh))
+    assert pool.reused == 0
+
+
 def test_pool_capacity_zero_keeps_nothing():
     pool = BufferPool(capacity=0)
     a = pool.allocate(2**21)

@@ -1,0 +1,203 @@
+"""Chaos: a random worker process is SIGKILLed (or SIGSTOPped for a while) at
+a random moment of a broadcast, a reduce or an allreduce, over and over, on a
+multi-process cluster whose nannies restart killed workers. Every result is
+compared to numpy; nothing may hang; afterwards no directory entry and no
+buffer is left.
+
+Runs per collective: ``HOPLITE_CHAOS_KILLS`` (default 50) with SIGKILL and
+``HOPLITE_CHAOS_STOPS`` (default 20, spread over the three) with SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+
+import dask_hoplite as dh
+
+KILLS = int(os.environ.get("HOPLITE_CHAOS_KILLS", "50"))
+STOPS = int(os.environ.get("HOPLITE_CHAOS_STOPS", "20"))
+N_WORKERS = 4
+STALL = 2.0  # hoplite.stall-timeout in this cluster, seconds
+HANG = 120.0  # a collective that takes longer than this has hung
+
+pytestmark = pytest.mark.slow
+
+
+class Hung(Exception):
+    """A collective did not finish within HANG seconds."""
+
+
+def finish(outs: list, what: str) -> None:
+    try:
+        wait(outs, timeout=HANG)
+    except TimeoutError:
+        raise Hung(f"{what} did not finish within {HANG:g}s") from None
+
+
+def make(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).random(nbytes // 8)
+
+
+def digest(x: np.ndarray) -> tuple[int, float]:
+    return int(x.size), float(np.asarray(x)[:: max(1, x.size // 4096)].sum())
+
+
+@pytest.fixture(scope="module")
+def client():
+    cfg = {
+        "hoplite.stall-timeout": f"{STALL}s",
+        "distributed.scheduler.allowed-failures": 100,  # workers die on purpose here
+        "distributed.comm.timeouts.connect": "5s",
+    }
+    with (
+        dask.config.set(cfg),
+        LocalCluster(
+            n_workers=N_WORKERS,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            memory_limit=0,
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        c.register_plugin(dh.Hoplite())
+        yield c
+
+
+def workers(client: Client) -> list[str]:
+    return sorted(client.scheduler_info(n_workers=-1)["workers"])
+
+
+def settle(client: Client) -> None:
+    """Wait until the nannies have replaced killed workers and every
+    hoplite entry and buffer is gone; fail if something leaked."""
+    try:
+        client.wait_for_workers(N_WORKERS, timeout=20)
+    except TimeoutError:
+        # Dask's own limit, seen without hoplite too: after a few dozen
+        # SIGKILLs a LocalCluster occasionally loses a nanny altogether
+        # (it leaves cluster.workers). Ask the cluster for a new one.
+        client.cluster.scale(N_WORKERS)
+        client.wait_for_workers(N_WORKERS, timeout=60)
+    deadline = time.monotonic() + 30
+    while True:
+        entries = client.run_on_scheduler(
+            lambda dask_scheduler: len(dask_scheduler.plugins["hoplite"].directory)
+        )
+        # a worker that just died cannot answer: it holds nothing any more
+        buffers = client.run(
+            lambda dask_worker: len(dask_worker.plugins["hoplite-worker"].store),
+            on_error="ignore",
+        )
+        if entries == 0 and not any(buffers.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"leaked: {entries} directory entries, buffers {buffers}")
+        time.sleep(0.2)
+
+
+def strike(client: Client, victim: str, sig: int, after: float) -> threading.Thread:
+    """Send ``sig`` to ``victim``'s process ``after`` seconds from now (a
+    stopped one is continued 3 stall timeouts later)."""
+    pid = client.run(os.getpid, workers=[victim], on_error="raise")[victim]
+
+    def go() -> None:
+        time.sleep(after)
+        try:
+            os.kill(pid, sig)
+            if sig == signal.SIGSTOP:
+                time.sleep(3 * STALL)
+                os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def run_once(client: Client, kind: str, sig: int, rng: random.Random) -> str:
+    ok = collective(client, kind, sig, rng)  # every future is released on return
+    settle(client)
+    return "ok" if ok else "WRONG"
+
+
+def collective(client: Client, kind: str, sig: int, rng: random.Random) -> bool:
+    ws = workers(client)
+    size = rng.choice([8, 32, 64]) * 2**20
+    victim = rng.choice(ws)
+    after = rng.uniform(0.0, 0.6)
+    if kind == "broadcast":
+        x = client.submit(make, size, 7, workers=[ws[0]], allow_other_workers=True, pure=False)
+        wait(x)
+        expected = digest(make(size, 7))
+        t = strike(client, victim, sig, after)
+        outs = [
+            client.submit(digest, x, workers=[w], allow_other_workers=True, pure=False)
+            for w in ws[1:]
+        ]
+        finish(outs, kind)
+        got = client.gather(outs)
+        ok = all(g == expected for g in got)
+    else:
+        inputs = [
+            client.submit(make, size, i, workers=[w], allow_other_workers=True, pure=False)
+            for i, w in enumerate(ws)
+        ]
+        wait(inputs)
+        expected_sum = sum(make(size, i) for i in range(len(ws)))
+        t = strike(client, victim, sig, after)
+        if kind == "reduce":
+            outs = [dh.reduce(inputs, "sum")]
+        else:
+            outs = dh.allreduce(inputs, "sum")
+        finish(outs, kind)
+        got = client.gather(outs)
+        ok = all(np.shape(r) == expected_sum.shape and np.allclose(r, expected_sum) for r in got)
+        if not ok:
+            bad = [
+                (
+                    i,
+                    np.shape(r),
+                    [
+                        round(float(np.abs(a - b).max()), 2)
+                        for a, b in zip(
+                            np.array_split(np.asarray(r), 16),
+                            np.array_split(expected_sum, 16),
+                            strict=True,
+                        )
+                    ]
+                    if np.shape(r) == expected_sum.shape
+                    else None,
+                )
+                for i, r in enumerate(got)
+                if not (np.shape(r) == expected_sum.shape and np.allclose(r, expected_sum))
+            ]
+            print(f"WRONG {kind} size={size} victim={victim} after={after:.3f} {bad}")  # noqa: T201
+    t.join()
+    return ok
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("kind", ["broadcast", "reduce", "allreduce"])
+def test_chaos(client, kind):
+    rng = random.Random(f"hoplite-{kind}")
+    outcomes: Counter[str] = Counter()
+    runs = [signal.SIGKILL] * KILLS + [signal.SIGSTOP] * -(-STOPS // 3)
+    for i, sig in enumerate(runs):
+        try:
+            outcomes[run_once(client, kind, sig, rng)] += 1
+        except Hung:
+            outcomes["HUNG"] += 1
+            raise AssertionError(f"{kind} run {i} ({signal.Signals(sig).name}) hung") from None
+    assert outcomes == Counter(ok=len(runs)), outcomes
