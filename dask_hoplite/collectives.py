@@ -147,7 +147,7 @@ async def _reduce_async(
         return _reduce_small(client, chosen, keys, rop.name, addresses, copies)
     distinct = list(dict.fromkeys(addresses))
     if copies and len(distinct) >= 3 and size // len(distinct) >= cfg.segment_min_bytes:
-        return _allreduce_segmented(client, chosen, addresses, distinct, rop.name, net, size)
+        return _allreduce_segmented(client, chosen, addresses, distinct, rop.name, net, size, cfg)
     plan = plan_reduce_tree(k, max_chain_length(size, net.bandwidth, net.latency))
     spec = ReduceSpec(
         rid=uuid.uuid4().hex,
@@ -205,6 +205,7 @@ def _allreduce_segmented(
     op: str,
     net: Any,
     size: int,
+    cfg: HopliteConfig,
 ) -> list[Future]:
     """Allreduce as m concurrent reduce-then-broadcast pipelines, one per
     segment of 1/m of the object, each rooted on another of the m workers.
@@ -215,7 +216,6 @@ def _allreduce_segmented(
     2(m-1)/m * S per NIC and direction, the bound, where one tree plus one
     chain of copies would make every worker carry 2 S.
     """
-    cfg = HopliteConfig.from_dask_config()
     n, m = len(chosen), len(distinct)
     rid = uuid.uuid4().hex
     plan = plan_reduce_tree(n, max_chain_length(size // m, net.bandwidth, net.latency))

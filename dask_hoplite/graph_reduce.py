@@ -48,7 +48,6 @@ import numpy as np
 from dask._task_spec import (
     Alias,
     DataNode,
-    GraphNode,
     Task,
     TaskRef,
     _execute_subgraph,
@@ -358,9 +357,3 @@ def rewrite_graph(
     out = {k: v for k, v in dsk.items() if k not in absorbed}
     out.update(rewritten)
     return out, len(rewritten)
-
-
-def is_graph_reduce(run_spec: Any) -> bool:
-    return isinstance(run_spec, GraphNode) and isinstance(
-        getattr(run_spec, "func", None), GraphReduce
-    )

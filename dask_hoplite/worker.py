@@ -50,7 +50,7 @@ from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.graph_reduce import GraphReduce
 from dask_hoplite.network_model import network_estimate
-from dask_hoplite.planner import max_chain_length, plan_reduce_tree
+from dask_hoplite.planner import ReduceTree, max_chain_length, plan_reduce_tree
 from dask_hoplite.protocol import (
     PROTOCOL_VERSION,
     STREAM_OP,
@@ -570,18 +570,14 @@ class HopliteWorker(WorkerPlugin):
         local = [i for i, a in enumerate(addresses) if a == me]
         if not local:
             raise ReduceInputError("no input of the reduction is on this worker")
-        n = len(keys)
-        net = await network_estimate(w.scheduler)
-        plan = plan_reduce_tree(n, max_chain_length(size, net.bandwidth, net.latency))
         # A local part at the root's slot: its value is the root's operand.
-        order = list(range(n))
-        order[plan.root], order[local[0]] = order[local[0]], order[plan.root]
+        plan, order = await self._plan_rooted_at(len(keys), size, local[0])
         inputs = tuple(keys[i] for i in order)
         first = w.data[inputs[plan.root]]
         fields: tuple[str | None, ...] = fn.fields or (None,)
         operands = []
         for field in fields:
-            operand = check_input(select_field(first, field, inputs[plan.root]), inputs[0])
+            operand = check_input(select_field(first, field, inputs[plan.root]), inputs[plan.root])
             if not fn.parts_fit(operand.shape):
                 raise ReduceInputError(
                     f"input {inputs[plan.root]!r} has extent != 1 along the reduced axes"
@@ -606,6 +602,17 @@ class HopliteWorker(WorkerPlugin):
             *(self.run_reduction(v, sp.to_msg()) for v, sp in zip(operands, specs, strict=True))
         )
         return results[0] if fn.fields is None else dict(zip(fn.fields, results, strict=True))
+
+    async def _plan_rooted_at(self, n: int, size: int, slot: int) -> tuple[ReduceTree, list[int]]:
+        """A tree for ``n`` inputs of ``size`` bytes shaped by the measured
+        network, and the order of the inputs over its positions that puts
+        input ``slot`` at the root (the root's operand must be local)."""
+        assert self.worker is not None
+        net = await network_estimate(self.worker.scheduler)
+        plan = plan_reduce_tree(n, max_chain_length(size, net.bandwidth, net.latency))
+        order = list(range(n))
+        order[plan.root], order[slot] = order[slot], order[plan.root]
+        return plan, order
 
     async def fetch_parts(self, keys: list[Key], who_has: dict[Key, list[str]]) -> list[Any]:
         """The values of ``keys``, fetched here (the fallback of
@@ -943,11 +950,7 @@ class HopliteWorker(WorkerPlugin):
                     [spec.inputs[slot]],
                     {spec.inputs[slot]: list(who_has.get(spec.inputs[slot]) or [])},
                 )
-        net = await network_estimate(w.scheduler)
-        size = int(getattr(value, "nbytes", 0) or 0)
-        plan = plan_reduce_tree(n, max_chain_length(size, net.bandwidth, net.latency))
-        order = list(range(n))
-        order[plan.root], order[slot] = order[slot], order[plan.root]
+        plan, order = await self._plan_rooted_at(n, int(getattr(value, "nbytes", 0) or 0), slot)
         addresses = [spec.addresses[i] for i in order]
         addresses[plan.root] = w.address
         plain = dataclasses.replace(
