@@ -27,7 +27,7 @@ import logging
 import math
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from time import time
 from typing import Any
 
@@ -126,6 +126,8 @@ class HopliteWorker(WorkerPlugin):
         self._sent: dict[Key, asyncio.Future[None]] = {}
         self._reductions: dict[str, set[asyncio.Task[Any]]] = {}
         self._aborted: deque[str] = deque(maxlen=1000)  # an abort may beat its node
+        #: Reductions whose root runs here (their nodes ask while they wait).
+        self._roots: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"scheduler_version": self.scheduler_version}
@@ -153,6 +155,7 @@ class HopliteWorker(WorkerPlugin):
         worker.handlers["hoplite_worker_info"] = self.info
         worker.handlers["hoplite_reduce_node"] = self.handle_reduce_node
         worker.handlers["hoplite_reduce_abort"] = self.handle_reduce_abort
+        worker.handlers["hoplite_reduce_running"] = self.handle_reduce_running
         self._orig_handle_stimulus = worker.handle_stimulus
         worker.handle_stimulus = self.handle_stimulus  # type: ignore[method-assign]
         trim = PeriodicCallback(self._trim_pool, 1000 * min(1.0, self.config.buffer_pool_idle))
@@ -175,6 +178,7 @@ class HopliteWorker(WorkerPlugin):
             ("hoplite_worker_info", self.info),
             ("hoplite_reduce_node", self.handle_reduce_node),
             ("hoplite_reduce_abort", self.handle_reduce_abort),
+            ("hoplite_reduce_running", self.handle_reduce_running),
         ]:
             if worker.handlers.get(name) == h:
                 del worker.handlers[name]
@@ -649,20 +653,59 @@ class HopliteWorker(WorkerPlugin):
 
     async def run_node_until_sent(self, spec: ReduceSpec, slot: int, value: Any) -> None:
         """Run one non-root node and hold its partial result until the parent
-        has streamed all of it."""
+        has streamed all of it.
+
+        The parent reads its children in lockstep, so it may take this
+        node's last byte long after the node finished (a slower sibling, a
+        busy host). Only a reduction whose root stopped running it ends the
+        wait early: an alive root aborts the whole tree when any node fails,
+        so it is asked, once per stall timeout of waiting."""
         key = spec.partial_key(slot)
-        async with self._held_until_sent(key):
+        root = spec.addresses[spec.root]
+        async with self._held_until_sent(key, alive=lambda: self._root_running(root, spec.rid)):
             await run_node(self, spec, slot, value)
 
+    async def _root_running(self, root: str, rid: str) -> bool:
+        """Whether worker ``root`` still runs reduction ``rid`` (no answer
+        within the stall timeout counts as no)."""
+        w = self.worker
+        assert w is not None
+        try:
+            return bool(
+                await asyncio.wait_for(
+                    w.rpc(root).hoplite_reduce_running(rid=rid), self.config.stall_timeout
+                )
+            )
+        except Exception:
+            return False
+
+    def handle_reduce_running(self, rid: str) -> bool:
+        """RPC ``hoplite_reduce_running``: whether the root of ``rid`` runs here."""
+        return rid in self._roots
+
     @contextlib.asynccontextmanager
-    async def _held_until_sent(self, key: Key, hold: bool = True) -> AsyncIterator[None]:
+    async def _held_until_sent(
+        self,
+        key: Key,
+        hold: bool = True,
+        alive: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[None]:
         """Keep the buffer of ``key`` in the store after the body, until a peer
-        has streamed all of it (bounded by the stall timeout); then release it."""
+        has streamed all of it; then release it. Waiting is bounded by the
+        stall timeout, or, given ``alive``, lasts while ``alive()`` (asked
+        after each stall timeout of waiting) says the reduction still runs."""
         sent = self._sent[key] = asyncio.get_running_loop().create_future()
         try:
             yield
-            if hold:
-                await asyncio.wait_for(sent, self.config.stall_timeout)
+            while hold:
+                try:
+                    await asyncio.wait_for(asyncio.shield(sent), self.config.stall_timeout)
+                    break
+                except asyncio.TimeoutError:
+                    if alive is None or not await alive():
+                        raise asyncio.TimeoutError(
+                            f"no peer took all of {key!r} within {self.config.stall_timeout:g}s"
+                        ) from None
         finally:
             self._sent.pop(key, None)
             buf = self.store.get(key)
@@ -750,6 +793,7 @@ class HopliteWorker(WorkerPlugin):
         restartable = not spec.copies and spec.segment is None
         if spec.addresses[root] != w.address:  # Dask ran the root elsewhere
             spec = await self._relocated(spec, set())
+        failed: set[str] = set()  # workers whose node broke an attempt
         for attempt in range(self.config.max_resumes + 1):
             try:
                 result = await self._reduce_once(spec, value)
@@ -759,7 +803,8 @@ class HopliteWorker(WorkerPlugin):
             except Exception as e:
                 if not restartable or attempt == self.config.max_resumes:
                     raise
-                failed = {e.address} if isinstance(e, NodeFailed) else set()
+                if isinstance(e, NodeFailed):
+                    failed.add(e.address)
                 logger.warning(
                     "reduction %s broke (%s: %s); restarting with the inputs located again",
                     spec.rid,
@@ -784,12 +829,24 @@ class HopliteWorker(WorkerPlugin):
         # processing...): wait for it, up to queue-timeout of no change; one
         # that cannot come back (erred, or never computed by a task) is final.
         deadline = time() + self.config.queue_timeout
+        # A worker that just failed is often dead but not yet removed by the
+        # scheduler: give it a stall timeout to drop out of who_has before
+        # using it again as the only holder of an input.
+        shun_until = time() + self.config.stall_timeout
         last: dict[Key, str | None] = {}
         while True:
             who_has = await w.scheduler.who_has(keys=keys)
             missing = [k for k in keys if not who_has.get(k)]
             if not missing:
-                break
+                shunned = [
+                    k
+                    for slot, k in enumerate(keys)
+                    if slot != spec.root and set(who_has[k]) <= avoid
+                ]
+                if not shunned or time() > shun_until:
+                    break
+                await asyncio.sleep(0.1)
+                continue
             states = await w.scheduler.hoplite_key_states(keys=missing)
             for key in missing:
                 state = states.get(key)
@@ -849,7 +906,11 @@ class HopliteWorker(WorkerPlugin):
         root = spec.root
         nodes = [asyncio.create_task(start(i)) for i in range(len(spec.inputs)) if i != root]
         own = asyncio.create_task(run_node(self, spec, root, value))
-        done, pending = await asyncio.wait([*nodes, own], return_when=asyncio.FIRST_EXCEPTION)
+        self._roots.add(spec.rid)
+        try:
+            done, pending = await asyncio.wait([*nodes, own], return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            self._roots.discard(spec.rid)
         failed = [t for t in done if not t.cancelled() and t.exception() is not None]
         if failed:
             for t in pending:
