@@ -85,9 +85,12 @@ _TRIM_CALLBACK = "hoplite-pool-trim"
 class NodeFailed(RuntimeError):
     """A node of a reduce tree failed (its worker died, stalled or refused)."""
 
-    def __init__(self, message: str, address: str) -> None:
+    def __init__(self, message: str, address: str, unreachable: bool = False) -> None:
         super().__init__(message)
         self.address = address
+        #: The node's worker did not answer at all (it is likely dead), as
+        #: opposed to answering with an error.
+        self.unreachable = unreachable
 
 
 class VersionMismatch(RuntimeError):
@@ -128,6 +131,7 @@ class HopliteWorker(WorkerPlugin):
         self._aborted: deque[str] = deque(maxlen=1000)  # an abort may beat its node
         #: Reductions whose root runs here (their nodes ask while they wait).
         self._roots: set[str] = set()
+        self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget calls
 
     def __getstate__(self) -> dict[str, Any]:
         return {"scheduler_version": self.scheduler_version}
@@ -793,7 +797,7 @@ class HopliteWorker(WorkerPlugin):
         restartable = not spec.copies and spec.segment is None
         if spec.addresses[root] != w.address:  # Dask ran the root elsewhere
             spec = await self._relocated(spec, set())
-        failed: set[str] = set()  # workers whose node broke an attempt
+        failed: set[str] = set()  # workers that did not answer their node's call
         for attempt in range(self.config.max_resumes + 1):
             try:
                 result = await self._reduce_once(spec, value)
@@ -803,7 +807,7 @@ class HopliteWorker(WorkerPlugin):
             except Exception as e:
                 if not restartable or attempt == self.config.max_resumes:
                     raise
-                if isinstance(e, NodeFailed):
+                if isinstance(e, NodeFailed) and e.unreachable:
                     failed.add(e.address)
                 logger.warning(
                     "reduction %s broke (%s: %s); restarting with the inputs located again",
@@ -885,7 +889,9 @@ class HopliteWorker(WorkerPlugin):
             try:
                 reply = await w.rpc(addr).hoplite_reduce_node(spec=spec.to_msg(), slot=slot)
             except Exception as e:
-                raise NodeFailed(f"node {slot} on {addr}: {type(e).__name__}: {e}", addr) from e
+                raise NodeFailed(
+                    f"node {slot} on {addr}: {type(e).__name__}: {e}", addr, unreachable=True
+                ) from e
             if reply.get("status") != "OK":
                 if reply.get("input_error"):
                     raise ReduceInputError(reply.get("message"))
@@ -922,9 +928,11 @@ class HopliteWorker(WorkerPlugin):
                 ),
                 return_exceptions=True,
             )
-            # A hung peer never answers: do not wait for it longer than for a stream.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(aborts, self.config.stall_timeout)
+            # Not waited for: a live peer gets it within a round trip, while a
+            # dead one is retried by Dask's connect for comm.timeouts.connect
+            # and a hung one never answers. A restart uses a new id anyway.
+            self._background.add(aborts)
+            aborts.add_done_callback(self._background.discard)
             for t in pending:  # cancelled; collect their outcome without waiting
                 t.add_done_callback(lambda t: t.cancelled() or t.exception())
             self._drop_partials(spec.rid)

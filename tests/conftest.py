@@ -22,5 +22,7 @@ def client():
         ) as cluster,
         Client(cluster) as c,
     ):
+        c.wait_for_workers(3, timeout=30)
         c.register_plugin(dh.Hoplite())
+        assert len(c.scheduler_info(n_workers=-1)["workers"]) == 3
         yield c
