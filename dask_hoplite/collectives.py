@@ -33,7 +33,7 @@ from distributed.utils import sync
 
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.network_model import network_estimate
-from dask_hoplite.planner import max_chain_length, plan_reduce_tree
+from dask_hoplite.planner import colocated_order, max_chain_length, plan_reduce_tree
 from dask_hoplite.reduce_ops import reference, resolve_op
 from dask_hoplite.reduction import ReduceSpec, check_input
 from dask_hoplite.worker import HopliteWorker
@@ -149,6 +149,12 @@ async def _reduce_async(
     if copies and len(distinct) >= 3 and size // len(distinct) >= cfg.segment_min_bytes:
         return _allreduce_segmented(client, chosen, addresses, distinct, rop.name, net, size, cfg)
     plan = plan_reduce_tree(k, max_chain_length(size, net.bandwidth, net.latency))
+    # Inputs of one worker next to each other in the tree (their combination
+    # then crosses no NIC); the input at the root's position stays there.
+    order = colocated_order(plan.parent, addresses, plan.root)
+    chosen = [chosen[i] for i in order]
+    keys = [keys[i] for i in order]
+    addresses = [addresses[i] for i in order]
     spec = ReduceSpec(
         rid=uuid.uuid4().hex,
         op=rop.name,

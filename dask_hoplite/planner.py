@@ -24,6 +24,7 @@ reduction starts streaming before the last input exists.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -149,3 +150,83 @@ def plan_reduce_tree(n: int, chain_length: int) -> ReduceTree:
         if p is not None:
             children[order[id(p)]].append(i)
     return ReduceTree(tuple(parent), depth, k, tuple(tuple(c) for c in children))
+
+
+def colocated_order(
+    parent: Sequence[int | None], addresses: Sequence[str], root_input: int
+) -> list[int]:
+    """Which input goes to which node of a tree: ``order[node]`` is the
+    input index, input ``root_input`` at the root.
+
+    Inputs held by one worker are put on nodes that are parent and child
+    wherever the tree's shape allows, so that their combination crosses no
+    NIC: without this, a worker holding two inputs (several inputs per
+    worker, or a lost input recomputed next to another) sends both, 2 S
+    through one NIC, and bounds the whole reduce at 2 S/B.
+
+    Greedy, top-down: a child takes an input of its parent's worker while
+    one is left, else one of the worker with the most inputs left (whose
+    others can then follow into its own children); tried with the children
+    of each node taken largest subtree first and smallest first, and kept
+    only if it crosses fewer NICs than the inputs in their given order."""
+    n = len(parent)
+    if len(addresses) != n or not 0 <= root_input < n:
+        raise ValueError(f"{n} nodes, {len(addresses)} inputs, root input {root_input}")
+    children: list[list[int]] = [[] for _ in range(n)]
+    root = -1
+    for node, p in enumerate(parent):
+        if p is None:
+            root = node
+        else:
+            children[p].append(node)
+    size = [1] * n
+    for node in sorted(range(n), key=lambda v: -_depth(parent, v)):
+        p = parent[node]
+        if p is not None:
+            size[p] += size[node]
+    given = list(range(n))
+    given[root], given[root_input] = given[root_input], given[root]
+    candidates = [given]
+    for largest_first in (True, False):
+        kids = [sorted(c, key=lambda v: -size[v] if largest_first else size[v]) for c in children]
+        candidates.append(_fill(kids, root, root_input, addresses))
+    return min(candidates, key=lambda order: _crossings(parent, addresses, order))
+
+
+def _depth(parent: Sequence[int | None], node: int) -> int:
+    d = 0
+    p = parent[node]
+    while p is not None:
+        d, p = d + 1, parent[p]
+    return d
+
+
+def _fill(
+    children: list[list[int]], root: int, root_input: int, addresses: Sequence[str]
+) -> list[int]:
+    left: dict[str, list[int]] = {}
+    for i, a in enumerate(addresses):
+        if i != root_input:
+            left.setdefault(a, []).append(i)
+    order = [-1] * len(addresses)
+    order[root] = root_input
+    queue = [root]
+    for node in queue:  # breadth-first; the queue grows while iterated
+        for c in children[node]:
+            addr = addresses[order[node]]
+            if addr not in left:
+                addr = max(left, key=lambda a: (len(left[a]), -left[a][0]))
+            order[c] = left[addr].pop(0)
+            if not left[addr]:
+                del left[addr]
+            queue.append(c)
+    return order
+
+
+def _crossings(parent: Sequence[int | None], addresses: Sequence[str], order: list[int]) -> int:
+    """Tree edges whose two inputs live on different workers."""
+    return sum(
+        1
+        for c, p in enumerate(parent)
+        if p is not None and addresses[order[c]] != addresses[order[p]]
+    )

@@ -50,7 +50,12 @@ from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.graph_reduce import GraphReduce
 from dask_hoplite.network_model import network_estimate
-from dask_hoplite.planner import ReduceTree, max_chain_length, plan_reduce_tree
+from dask_hoplite.planner import (
+    ReduceTree,
+    colocated_order,
+    max_chain_length,
+    plan_reduce_tree,
+)
 from dask_hoplite.protocol import (
     PROTOCOL_VERSION,
     STREAM_OP,
@@ -579,7 +584,7 @@ class HopliteWorker(WorkerPlugin):
         if not local:
             raise ReduceInputError("no input of the reduction is on this worker")
         # A local part at the root's slot: its value is the root's operand.
-        plan, order = await self._plan_rooted_at(len(keys), size, local[0])
+        plan, order = await self._plan_rooted_at(len(keys), size, local[0], addresses)
         inputs = tuple(keys[i] for i in order)
         first = w.data[inputs[plan.root]]
         fields: tuple[str | None, ...] = fn.fields or (None,)
@@ -611,16 +616,17 @@ class HopliteWorker(WorkerPlugin):
         )
         return results[0] if fn.fields is None else dict(zip(fn.fields, results, strict=True))
 
-    async def _plan_rooted_at(self, n: int, size: int, slot: int) -> tuple[ReduceTree, list[int]]:
+    async def _plan_rooted_at(
+        self, n: int, size: int, slot: int, addresses: list[str]
+    ) -> tuple[ReduceTree, list[int]]:
         """A tree for ``n`` inputs of ``size`` bytes shaped by the measured
-        network, and the order of the inputs over its positions that puts
-        input ``slot`` at the root (the root's operand must be local)."""
+        network, and the order of the inputs (held by ``addresses``) over its
+        positions that puts input ``slot`` at the root (the root's operand
+        must be local) and the inputs of one worker next to each other."""
         assert self.worker is not None
         net = await network_estimate(self.worker.scheduler)
         plan = plan_reduce_tree(n, max_chain_length(size, net.bandwidth, net.latency))
-        order = list(range(n))
-        order[plan.root], order[slot] = order[slot], order[plan.root]
-        return plan, order
+        return plan, colocated_order(plan.parent, addresses, slot)
 
     async def fetch_parts(self, keys: list[Key], who_has: dict[Key, list[str]]) -> list[Any]:
         """The values of ``keys``, fetched here (the fallback of
@@ -878,7 +884,15 @@ class HopliteWorker(WorkerPlugin):
             else:
                 good = [h for h in holders if h not in avoid] or holders
                 addresses.append(good[0])
-        return dataclasses.replace(spec, rid=uuid.uuid4().hex, addresses=tuple(addresses))
+        # A lost input is often recomputed on a worker holding another one:
+        # put the two next to each other in the tree.
+        order = colocated_order(spec.parent, addresses, spec.root)
+        return dataclasses.replace(
+            spec,
+            rid=uuid.uuid4().hex,
+            inputs=tuple(keys[i] for i in order),
+            addresses=tuple(addresses[i] for i in order),
+        )
 
     async def _reduce_once(self, spec: ReduceSpec, value: Any) -> Any:
         w = self.worker
@@ -1019,9 +1033,11 @@ class HopliteWorker(WorkerPlugin):
                     [spec.inputs[slot]],
                     {spec.inputs[slot]: list(who_has.get(spec.inputs[slot]) or [])},
                 )
-        plan, order = await self._plan_rooted_at(n, int(getattr(value, "nbytes", 0) or 0), slot)
-        addresses = [spec.addresses[i] for i in order]
-        addresses[plan.root] = w.address
+        held_by = list(spec.addresses)
+        held_by[slot] = w.address
+        size = int(getattr(value, "nbytes", 0) or 0)
+        plan, order = await self._plan_rooted_at(n, size, slot, held_by)
+        addresses = [held_by[i] for i in order]
         plain = dataclasses.replace(
             spec,
             rid=uuid.uuid4().hex,

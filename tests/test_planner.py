@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_hoplite.planner import max_chain_length, plan_reduce_tree
+from dask_hoplite.planner import colocated_order, max_chain_length, plan_reduce_tree
 
 
 def test_large_objects_give_one_chain():
@@ -78,3 +78,49 @@ def test_every_plan_is_a_tree_over_all_nodes(n, k):
     # an even split (plus the tree levels above them).
     if t.depth > 0:
         assert t.height() <= (t.depth - 1) + -(-(n - (2**t.depth - 1)) // 2**t.depth)
+
+
+def cross_edges(parent, addresses, order):
+    """Tree edges whose two inputs live on different workers (NIC crossings)."""
+    return sum(
+        1
+        for c, p in enumerate(parent)
+        if p is not None and addresses[order[c]] != addresses[order[p]]
+    )
+
+
+def test_two_inputs_on_one_worker_are_parent_and_child():
+    # a lost input recomputed next to another: 8 inputs on 7 workers
+    plan = plan_reduce_tree(8, 2)
+    addresses = ["w0", "w1", "w2", "w3", "w4", "w5", "w6", "w3"]
+    order = colocated_order(plan.parent, addresses, root_input=0)
+    assert sorted(order) == list(range(8)) and order[plan.root] == 0
+    slot = {inp: s for s, inp in enumerate(order)}
+    a, b = slot[3], slot[7]
+    assert plan.parent[a] == b or plan.parent[b] == a
+    assert cross_edges(plan.parent, addresses, order) == 6
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    k=st.integers(1, 12),
+    workers=st.integers(1, 10),
+    data=st.data(),
+)
+def test_colocated_order_is_a_permutation_with_no_more_crossings(n, k, workers, data):
+    plan = plan_reduce_tree(n, k)
+    addresses = data.draw(
+        st.lists(st.sampled_from([f"w{i}" for i in range(workers)]), min_size=n, max_size=n)
+    )
+    root_input = data.draw(st.integers(0, n - 1))
+    order = colocated_order(plan.parent, addresses, root_input)
+    assert sorted(order) == list(range(n))
+    assert order[plan.root] == root_input
+    naive = list(range(n))
+    naive[plan.root], naive[root_input] = naive[root_input], naive[plan.root]
+    assert cross_edges(plan.parent, addresses, order) <= cross_edges(plan.parent, addresses, naive)
+    # every worker's inputs beyond its first cost no crossing, when the tree
+    # is a single chain (each node has one child)
+    if all(len(plan.children(i)) <= 1 for i in range(n)):
+        assert cross_edges(plan.parent, addresses, order) == len(set(addresses)) - 1
