@@ -62,6 +62,7 @@ def fingerprint(x):
     return [int(x.size), float(x[:: max(1, x.size // 4096)].sum())]
 
 c = Client(addr, timeout=60)
+c.wait_for_workers(n, timeout=60)
 if method == "hoplite":
     import dask_hoplite
     c.register_plugin(dask_hoplite.Hoplite())

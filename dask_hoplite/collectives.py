@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -29,14 +30,17 @@ from typing import Any
 import numpy as np
 from dask.base import is_dask_collection
 from distributed import Client, Future, as_completed, default_client, get_worker, secede
+from distributed.client import _wait
 from distributed.utils import sync
 
 from dask_hoplite.config import HopliteConfig
-from dask_hoplite.network_model import network_estimate
+from dask_hoplite.network_model import NetworkEstimate, network_estimate
 from dask_hoplite.planner import colocated_order, max_chain_length, plan_reduce_tree
 from dask_hoplite.reduce_ops import reference, resolve_op
 from dask_hoplite.reduction import ReduceSpec, check_input
 from dask_hoplite.worker import HopliteWorker
+
+logger = logging.getLogger(__name__)
 
 _INPUTS_ATTR = "_hoplite_reduced_inputs"
 
@@ -117,22 +121,23 @@ async def _reduce_async(
     k = n if k is None else k
     if not isinstance(k, int) or not 1 <= k <= n:
         raise ValueError(f"k must be an int in [1, {n}] (the number of inputs), got {k!r}")
-    # The first k inputs to be ready fill the tree's slots in that order.
+    # The first k inputs to be ready are reduced.
     chosen: list[Future] = []
-    async for f in as_completed(futures):
+    if k == n:  # all of them: no need to learn their order
+        await _wait(futures)
+        chosen = list(futures)
+    else:
+        async for f in as_completed(futures):
+            chosen.append(f)
+            if len(chosen) == k:
+                break
+    for f in chosen:
         if f.status == "error":
             raise RuntimeError(f"input {f.key!r} of the reduction failed") from (
                 await f.exception()
             )
-        chosen.append(f)
-        if len(chosen) == k:
-            break
     keys = [f.key for f in chosen]
-    who_has, nbytes, net = await asyncio.gather(  # one round trip, not three
-        client.scheduler.who_has(keys=keys),  # type: ignore[union-attr]
-        client.scheduler.nbytes(keys=keys, summary=False),  # type: ignore[union-attr]
-        network_estimate(client.scheduler),
-    )
+    who_has, nbytes, net = await _locate(client, keys)
     addresses = []
     for key in keys:
         holders = who_has.get(key) or []
@@ -196,6 +201,29 @@ async def _reduce_async(
         )
         for j, addr in enumerate(spec.copies)
     ]
+
+
+async def _locate(
+    client: Client, keys: list[Any]
+) -> tuple[dict[Any, list[str]], dict[Any, int], NetworkEstimate]:
+    """Where ``keys`` are, their sizes and the network estimate, in one round
+    trip to the scheduler (three concurrent calls if its plugin predates
+    ``hoplite_locate``)."""
+    try:
+        m = await client.scheduler.hoplite_locate(keys=keys)  # type: ignore[union-attr]
+        net = m["network"]
+        estimate = NetworkEstimate(
+            float(net["bandwidth"]), float(net["latency"]), bool(net["measured"])
+        )
+        return m["who_has"], m["nbytes"], estimate
+    except Exception as e:
+        logger.debug("hoplite_locate unavailable (%s); asking three times", e)
+    who_has, nbytes, estimate = await asyncio.gather(
+        client.scheduler.who_has(keys=keys),  # type: ignore[union-attr]
+        client.scheduler.nbytes(keys=keys, summary=False),  # type: ignore[union-attr]
+        network_estimate(client.scheduler),
+    )
+    return who_has, nbytes, estimate
 
 
 def _allreduce_part(value: Any, specs: list[dict[str, Any]], i: int) -> Any:
@@ -300,14 +328,20 @@ def _reduce_small(
     result = client.submit(
         _reduce_small_task, op, keys, *chosen, workers=[addresses[0]], pure=False
     )
-    setattr(result, _INPUTS_ATTR, keys)
     if not copies:
+        setattr(result, _INPUTS_ATTR, keys)
         return [result]
+    # One copy task per worker, the result's own included: the copies fetch
+    # the result, and Dask's active memory manager later drops all but one
+    # replica of it, not necessarily the one on its own worker. Each copy is
+    # a key of its own, with a single replica, and stays where it was made.
     others = sorted(set(addresses) - {addresses[0]})
-    return [result] + [
+    parts = [
         client.submit(_identity, result, workers=[w], allow_other_workers=False, pure=False)
-        for w in others
+        for w in [addresses[0], *others]
     ]
+    setattr(parts[0], _INPUTS_ATTR, keys)
+    return parts
 
 
 def reduce(inputs: Sequence[Any], op: Any = "sum", k: int | None = None) -> Future:

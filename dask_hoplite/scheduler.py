@@ -38,7 +38,13 @@ logger = logging.getLogger(__name__)
 
 from dask.typing import Key  # noqa: E402
 
-_HANDLERS = ("hoplite_request", "hoplite_info", "hoplite_network", "hoplite_key_states")
+_HANDLERS = (
+    "hoplite_request",
+    "hoplite_info",
+    "hoplite_network",
+    "hoplite_key_states",
+    "hoplite_locate",
+)
 _STREAM_HANDLERS = ("hoplite-finished", "hoplite-released")
 
 
@@ -128,6 +134,7 @@ class Hoplite(SchedulerPlugin):
         s.handlers["hoplite_request"] = self.handle_request
         s.handlers["hoplite_info"] = self.handle_info
         s.handlers["hoplite_network"] = self.handle_network
+        s.handlers["hoplite_locate"] = self.handle_locate
         s.handlers["hoplite_key_states"] = self.handle_key_states
         s.stream_handlers["hoplite-finished"] = self.handle_finished
         s.stream_handlers["hoplite-released"] = self.handle_released
@@ -287,6 +294,19 @@ class Hoplite(SchedulerPlugin):
         planned with (see :mod:`dask_hoplite.network_model`)."""
         assert self.network is not None
         return self.network.estimate().to_msg()
+
+    def handle_locate(self, keys: list[Key]) -> dict[str, Any]:
+        """RPC ``hoplite_locate``: where each key is in memory, its size, and the
+        network estimate: all a client plans a reduction with, in one round
+        trip (what ``who_has``, ``nbytes`` and ``hoplite_network`` answer)."""
+        assert self.scheduler is not None
+        who_has: dict[Key, list[str]] = {}
+        nbytes: dict[Key, int] = {}
+        for key in keys:
+            ts = self.scheduler.tasks.get(key)
+            who_has[key] = [] if ts is None else [ws.address for ws in ts.who_has or ()]
+            nbytes[key] = 0 if ts is None else max(ts.nbytes, 0)
+        return {"who_has": who_has, "nbytes": nbytes, "network": self.handle_network()}
 
     def handle_released(self, key: Key, worker: str | None = None, **kwargs: Any) -> None:
         """Stream ``hoplite-released``: ``worker`` dropped its buffer of ``key``."""
