@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 from dask.base import is_dask_collection
 from distributed import Client, Future, as_completed, default_client, get_worker, secede
-from distributed.client import _wait
 from distributed.utils import sync
 
 from dask_hoplite.config import HopliteConfig
@@ -121,21 +120,17 @@ async def _reduce_async(
     k = n if k is None else k
     if not isinstance(k, int) or not 1 <= k <= n:
         raise ValueError(f"k must be an int in [1, {n}] (the number of inputs), got {k!r}")
-    # The first k inputs to be ready are reduced.
+    # The first k inputs to be ready are reduced (an input that failed is
+    # reported as soon as it does).
     chosen: list[Future] = []
-    if k == n:  # all of them: no need to learn their order
-        await _wait(futures)
-        chosen = list(futures)
-    else:
-        async for f in as_completed(futures):
-            chosen.append(f)
-            if len(chosen) == k:
-                break
-    for f in chosen:
+    async for f in as_completed(futures):
         if f.status == "error":
             raise RuntimeError(f"input {f.key!r} of the reduction failed") from (
                 await f.exception()
             )
+        chosen.append(f)
+        if len(chosen) == k:
+            break
     keys = [f.key for f in chosen]
     who_has, nbytes, net = await _locate(client, keys)
     addresses = []
@@ -211,11 +206,7 @@ async def _locate(
     ``hoplite_locate``)."""
     try:
         m = await client.scheduler.hoplite_locate(keys=keys)  # type: ignore[union-attr]
-        net = m["network"]
-        estimate = NetworkEstimate(
-            float(net["bandwidth"]), float(net["latency"]), bool(net["measured"])
-        )
-        return m["who_has"], m["nbytes"], estimate
+        return m["who_has"], m["nbytes"], NetworkEstimate.from_msg(m["network"])
     except Exception as e:
         logger.debug("hoplite_locate unavailable (%s); asking three times", e)
     who_has, nbytes, estimate = await asyncio.gather(

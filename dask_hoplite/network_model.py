@@ -40,6 +40,10 @@ class NetworkEstimate:
     def to_msg(self) -> dict[str, float | bool]:
         return {"bandwidth": self.bandwidth, "latency": self.latency, "measured": self.measured}
 
+    @classmethod
+    def from_msg(cls, m: dict[str, Any]) -> NetworkEstimate:
+        return cls(float(m["bandwidth"]), float(m["latency"]), bool(m["measured"]))
+
 
 class NetworkModel:
     """Running medians of per-stream throughput and per-worker latency.
@@ -92,8 +96,7 @@ async def network_estimate(scheduler: Any) -> NetworkEstimate:
     """The scheduler part's estimate (``scheduler``: an RPC handle to it); the
     configured values or the fallbacks if it cannot be asked."""
     try:
-        m = await scheduler.hoplite_network()
-        return NetworkEstimate(float(m["bandwidth"]), float(m["latency"]), bool(m["measured"]))
+        return NetworkEstimate.from_msg(await scheduler.hoplite_network())
     except Exception as e:  # the plugin is missing or the scheduler is unreachable
         logger.debug("network estimate unavailable (%s); using configured values", e)
         from dask_hoplite.config import HopliteConfig

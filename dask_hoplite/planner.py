@@ -179,8 +179,11 @@ def colocated_order(
             root = node
         else:
             children[p].append(node)
-    size = [1] * n
-    for node in sorted(range(n), key=lambda v: -_depth(parent, v)):
+    top_down = [root]
+    for node in top_down:  # breadth-first; the list grows while iterated
+        top_down.extend(children[node])
+    size = [1] * n  # of each node's subtree, children before their parents
+    for node in reversed(top_down):
         p = parent[node]
         if p is not None:
             size[p] += size[node]
@@ -191,14 +194,6 @@ def colocated_order(
         kids = [sorted(c, key=lambda v: -size[v] if largest_first else size[v]) for c in children]
         candidates.append(_fill(kids, root, root_input, addresses))
     return min(candidates, key=lambda order: _crossings(parent, addresses, order))
-
-
-def _depth(parent: Sequence[int | None], node: int) -> int:
-    d = 0
-    p = parent[node]
-    while p is not None:
-        d, p = d + 1, parent[p]
-    return d
 
 
 def _fill(
