@@ -9,6 +9,9 @@ Methods (each on a fresh Dask cluster over the same emulated network):
                  ``split_every`` tree of tasks);
 * ``hoplite``    ``dask_hoplite.reduce(futures, "sum")``;
 * ``hoplite-array`` the same ``x.sum(axis=0)``, unchanged, with the plugin registered;
+* ``dask-bag`` / ``hoplite-bag``: ``b.fold(np.add).compute()`` on a bag with one
+  partition per input (Dask's ``split_every`` tree of aggregate tasks; with the
+  plugin registered, unchanged user code);
 * ``dask-allreduce`` / ``hoplite-allreduce``: the sum on every worker (Dask: the
   one-task sum, then one consumer task pinned to each worker; hoplite:
   ``dask_hoplite.allreduce``), bound 2(N-1)/N * S/B;
@@ -52,6 +55,8 @@ METHODS = (
     "dask-array",
     "hoplite",
     "hoplite-array",
+    "dask-bag",
+    "hoplite-bag",
     "dask-allreduce",
     "hoplite-allreduce",
     "dask-gather",
@@ -98,6 +103,7 @@ def check(x: np.ndarray) -> tuple[int, float, float]:
 
 def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
     import dask.array as da
+    import dask.bag as db
     from dask import delayed
     from distributed import Client, wait
 
@@ -143,6 +149,9 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
                 # the same user code; with the plugin registered (hoplite-array)
                 # the aggregate runs as a reduce tree
                 total = client.compute(x.sum(axis=0))
+            elif method in ("dask-bag", "hoplite-bag"):
+                b = db.from_delayed([delayed(as_list)(f) for f in xs])
+                total = client.compute(b.fold(np.add))
             elif method == "dask-allreduce":
                 s = client.submit(add_all, *xs, workers=[workers[0]], pure=False)
                 total = [client.submit(check, s, workers=[w], pure=False) for w in workers]

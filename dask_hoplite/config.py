@@ -80,6 +80,7 @@ class HopliteConfig:
     segment_min_bytes: int
     array_reductions: bool
     array_max_inputs: int
+    bag_reductions: bool
 
     @classmethod
     def from_dask_config(cls) -> HopliteConfig:
@@ -124,6 +125,7 @@ class HopliteConfig:
             segment_min_bytes=_bytes("reduce.allreduce-segment-min-bytes"),
             array_reductions=bool(_get("array.reductions")),
             array_max_inputs=max_inputs,
+            bag_reductions=bool(_get("bag.reductions")),
         )
 
     def block_size_for(self, nbytes: int) -> int:

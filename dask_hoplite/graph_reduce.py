@@ -1,4 +1,5 @@
-"""dask.array reductions, recognised in the task graph, as pipelined reduce trees.
+"""dask.array and dask.bag reductions, recognised in the task graph, as
+pipelined reduce trees.
 
 ``x.sum(axis=0).compute()`` is left as the user wrote it. Dask builds such a
 reduction (``dask.array.reductions._tree_reduce``) as a per-chunk step whose
@@ -34,12 +35,25 @@ Rewrite rules (:func:`rewrite_graph`, pure: a dict of tasks in, a dict out):
    dependent) absorbs them: the whole ``split_every`` tree becomes one
    reduction over the per-chunk parts, up to ``max_inputs`` parts. Sound because
    the operators are associative and every part has extent 1 along the axis.
+
+dask.bag (``Bag.fold`` / ``Bag.reduction`` / ``Bag.sum``) builds the same shape:
+per-partition tasks, then a ``split_every`` tree (8 by default) of
+``empty_safe_aggregate(aggregate, parts, is_last)`` tasks. An aggregate is
+recognised when it folds its parts with a binary operator that is elementwise,
+associative and commutative on numpy arrays (:data:`BAG_BINOPS`: ``operator.add``,
+``np.add``, ``np.maximum``, ...), written as ``fold(binop)`` /
+``fold(binop, combine)`` builds it, or is the builtin ``sum`` of ``Bag.sum()``.
+The partial results become inputs of a reduce tree when they turn out to be
+numpy arrays of one shape and dtype, at least ``min-bytes``; anything else (a
+bag of Python numbers, lists, empty partitions) runs Dask's own aggregate on
+fetched parts, with the same result as without the plugin.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,21 +113,56 @@ def _mean_functions() -> set[Any]:
 _REDUCE_FUNCTIONS = _reduce_functions()
 _MEAN_FUNCTIONS = _mean_functions()
 
+#: Binary operators of dask.bag folds that combine two numpy arrays of one
+#: shape elementwise, associatively and commutatively (so a tree may combine
+#: the parts in any order), and the numpy ufunc each one calls on arrays.
+BAG_BINOPS: dict[Any, str] = {
+    operator.add: "add",
+    operator.mul: "multiply",
+    operator.and_: "bitwise_and",
+    operator.or_: "bitwise_or",
+    operator.xor: "bitwise_xor",
+    **{
+        getattr(np, name): name
+        for name in [
+            "add",
+            "multiply",
+            "maximum",
+            "minimum",
+            "fmax",
+            "fmin",
+            "bitwise_and",
+            "bitwise_or",
+            "bitwise_xor",
+            "logical_and",
+            "logical_or",
+            "logical_xor",
+        ]
+    },
+}
+
 
 @dataclass(frozen=True)
 class Aggregate:
     """A recognised aggregate task: ``final(nested parts)``."""
 
-    op: str  # the elementwise combine: sum, prod, min or max
+    op: str  # the elementwise combine: sum, prod, min, max, or a ufunc's name (bag)
     fields: tuple[str, ...] | None  # dict parts (mean): combine each field
-    axes: tuple[int, ...]
+    axes: tuple[int, ...]  # dask.array: the reduced axes; dask.bag: ()
     keepdims: bool
     final: Callable[[Any], Any]
-    structure: Any  # nested lists (depth len(axes)) of part keys
+    structure: Any  # nested lists (depth len(axes), 1 for a bag) of part keys
+    bag: bool = False
+    reject: str = ""  # dtype kinds whose parts may not take the tree (see GraphReduce)
 
     @property
-    def family(self) -> tuple[str, tuple[str, ...] | None, tuple[int, ...]]:
-        return (self.op, self.fields, self.axes)
+    def family(self) -> tuple[Any, ...]:
+        return (self.op, self.fields, self.axes, self.bag, self.reject)
+
+    @property
+    def flat(self) -> bool:
+        """Whether the parts form one flat list (what absorption needs)."""
+        return self.bag or len(self.axes) == 1
 
 
 def _nested_keys(node: Any, depth: int) -> Any:
@@ -136,8 +185,55 @@ def _axes(kw: Mapping[str, Any]) -> tuple[int, ...] | None:
     return None
 
 
+def _bag_operator(aggregate: Any) -> tuple[str, str] | None:
+    """(ufunc name, rejected dtype kinds) of a dask.bag aggregate function, or
+    None if it is not a recognised elementwise fold."""
+    if aggregate is sum:
+        # sum(parts) is 0 + p0 + p1 + ...: np.add, except that bool parts are
+        # counted (0 + a bool array is an int array), which np.add does not do.
+        return ("add", "b")
+    func = getattr(aggregate, "func", None)
+    args = getattr(aggregate, "args", None)
+    keywords = getattr(aggregate, "keywords", None)
+    try:
+        from dask.bag.core import _reduce
+    except ImportError:  # pragma: no cover - dask.bag needs only toolz
+        return None
+    if (
+        func not in (_reduce, functools.reduce)
+        or keywords
+        or not (isinstance(args, tuple) and len(args) == 1)
+    ):
+        return None
+    try:
+        op = BAG_BINOPS.get(args[0])
+    except TypeError:  # unhashable
+        return None
+    return None if op is None else (op, "")
+
+
+def _recognize_bag(task: Task) -> Aggregate | None:
+    try:
+        from dask.bag.core import empty_safe_aggregate
+    except ImportError:  # pragma: no cover
+        return None
+    if task.func is not empty_safe_aggregate or task.kwargs or len(task.args) != 3:
+        return None
+    aggregate, parts, is_last = (a.value if isinstance(a, DataNode) else a for a in task.args)
+    if not isinstance(is_last, bool):
+        return None
+    found = _bag_operator(aggregate)
+    structure = _nested_keys(parts, 1)
+    if found is None or structure is None:
+        return None
+    final = functools.partial(empty_safe_aggregate, aggregate, is_last=is_last)
+    return Aggregate(found[0], None, (), True, final, structure, bag=True, reject=found[1])
+
+
 def recognize(task: Any) -> Aggregate | None:
     """The :class:`Aggregate` that ``task`` is, or None."""
+    if isinstance(task, Task) and len(task.args) == 3:
+        return _recognize_bag(task)
     if not isinstance(task, Task) or task.kwargs or len(task.args) != 1:
         return None
     func = task.func
@@ -183,6 +279,14 @@ def recognize(task: Any) -> Aggregate | None:
     return Aggregate(op, fields, axes, bool(kw.get("keepdims", False)), func, structure)
 
 
+def _depth(template: Any) -> int:
+    depth = 0
+    while isinstance(template, list) and template:
+        depth += 1
+        template = template[0]
+    return depth
+
+
 def _flat(structure: Any) -> list[Key]:
     if isinstance(structure, list):
         return [k for s in structure for k in _flat(s)]
@@ -217,19 +321,23 @@ class GraphReduce:
         axes: tuple[int, ...],
         final: Callable[[Any], Any],
         template: Any,
+        reject: str = "",
     ) -> None:
         self.op = op
         self.fields = fields
         self.axes = axes
         self.final = final
         self.template = template  # nested lists of indices into the parts
+        self.reject = reject  # dtype kinds (numpy's dtype.kind) not combined by ``op``
+        self.depth = _depth(template)
 
     def __call__(self, *parts: Any) -> Any:
         return self.final(_nest(self.template, parts))
 
-    @property
-    def depth(self) -> int:
-        return len(self.axes)
+    def accepts(self, dtype: np.dtype) -> bool:
+        """Whether parts of ``dtype`` may be combined elementwise by ``op``
+        (``Bag.sum()`` counts bools, where ``np.add`` would or them)."""
+        return dtype.kind not in self.reject
 
     def finish(self, combined: Any) -> Any:
         """The aggregate's result from the elementwise combination of all parts
@@ -248,11 +356,17 @@ class GraphReduce:
         return f"GraphReduce<{self.op}{'/' + ','.join(self.fields) if self.fields else ''}>"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (GraphReduce, (self.op, self.fields, self.axes, self.final, self.template))
+        return (
+            GraphReduce,
+            (self.op, self.fields, self.axes, self.final, self.template, self.reject),
+        )
 
 
-def unfuse_aggregates(dsk: Mapping[Key, Any]) -> dict[Key, Any]:
-    """``dsk`` with recognised aggregates taken out of fused tasks.
+def unfuse_aggregates(
+    dsk: Mapping[Key, Any], recognized: Callable[[Any], Aggregate | None] = recognize
+) -> dict[Key, Any]:
+    """``dsk`` with aggregates (those ``recognized`` returns one for) taken out
+    of fused tasks.
 
     Dask's linear fusion (``fuse_linear_task_spec``) merges the last aggregate
     of a reduction with what follows it (e.g. the finalize step of
@@ -275,7 +389,7 @@ def unfuse_aggregates(dsk: Mapping[Key, Any]) -> dict[Key, Any]:
                 inner_key not in dsk
                 and isinstance(inner_task, Task)
                 and inner_task.dependencies <= external
-                and recognize(inner_task) is not None
+                and recognized(inner_task) is not None
             ):
                 rest = [t for k, t in inner.items() if k != inner_key]
                 try:
@@ -289,15 +403,28 @@ def unfuse_aggregates(dsk: Mapping[Key, Any]) -> dict[Key, Any]:
 
 
 def rewrite_graph(
-    dsk: Mapping[Key, Any], keys: Collection[Key], max_inputs: int
+    dsk: Mapping[Key, Any],
+    keys: Collection[Key],
+    max_inputs: int,
+    *,
+    arrays: bool = True,
+    bags: bool = True,
 ) -> tuple[dict[Key, Any], int]:
-    """Rewrite the aggregate tasks of ``dsk`` (see the module docstring).
+    """Rewrite the aggregate tasks of ``dsk`` (see the module docstring):
+    those of dask.array reductions if ``arrays``, of dask.bag folds if ``bags``.
 
     ``keys`` are the keys the client asked for (never absorbed). Returns the
     new graph and the number of :class:`GraphReduce` tasks in it.
     """
-    dsk = unfuse_aggregates(dsk)
-    aggs = {k: a for k, t in dsk.items() if (a := recognize(t)) is not None}
+
+    def wanted_kind(task: Any) -> Aggregate | None:
+        a = recognize(task)
+        return a if a is not None and (bags if a.bag else arrays) else None
+
+    if not (arrays or bags):
+        return dict(dsk), 0
+    dsk = unfuse_aggregates(dsk, wanted_kind)
+    aggs = {k: a for k, t in dsk.items() if (a := wanted_kind(t)) is not None}
     if not aggs:
         return dsk, 0
     wanted = set(keys)
@@ -313,8 +440,8 @@ def rewrite_graph(
             and part not in wanted
             and n_dependents.get(part, 0) == 1
             and a.family == into.family
-            and a.keepdims
-            and len(into.axes) == 1
+            and into.flat
+            and (a.bag or a.keepdims)
         ):
             return a
         return None
@@ -340,11 +467,14 @@ def rewrite_graph(
     # Start at the aggregates no dependent can absorb; a subtree collapses into
     # one reduction when it has at most ``max_inputs`` parts, else its root
     # keeps its direct parts and each aggregate among them is tried in turn.
-    todo = [k for k in aggs if not any(absorbable(k, a) for a in aggs.values())]
+    parts_of = {k: set(_flat(a.structure)) for k, a in aggs.items()}
+    todo = [
+        k for k in aggs if not any(k in parts_of[o] and absorbable(k, a) for o, a in aggs.items())
+    ]
     while todo:
         key = todo.pop()
         agg = aggs[key]
-        parts, inner = expand(agg) if len(agg.axes) == 1 else ([], [])
+        parts, inner = expand(agg) if agg.flat else ([], [])
         if inner and len(parts) <= max_inputs:
             absorbed.update(inner)
             template: Any = list(range(len(parts)))
@@ -352,7 +482,7 @@ def rewrite_graph(
             parts = _flat(agg.structure)
             template = _indexed(agg.structure, {k: i for i, k in enumerate(parts)})
             todo.extend(p for p in parts if p in aggs and p not in rewritten)
-        fn = GraphReduce(agg.op, agg.fields, agg.axes, agg.final, template)
+        fn = GraphReduce(agg.op, agg.fields, agg.axes, agg.final, template, agg.reject)
         rewritten[key] = Task(key, fn, *(TaskRef(p) for p in parts))
     out = {k: v for k, v in dsk.items() if k not in absorbed}
     out.update(rewritten)

@@ -143,7 +143,7 @@ class Hoplite(SchedulerPlugin):
         s.handlers["replicate"] = self.replicate
         s.replicate = self.replicate  # type: ignore[method-assign]  # scatter(broadcast=True)
 
-        if self.config.array_reductions:
+        if self.config.array_reductions or self.config.bag_reductions:
             self._originals["_create_taskstate_from_graph"] = s._create_taskstate_from_graph
             s._create_taskstate_from_graph = self._create_taskstate_from_graph  # type: ignore[method-assign]
 
@@ -187,17 +187,23 @@ class Hoplite(SchedulerPlugin):
 
     def _create_taskstate_from_graph(self, **kwargs: Any) -> Any:
         """The scheduler's entry point for a submitted graph (after all
-        optimisation, before any task state exists), with dask.array
-        reduction aggregates rewritten into pipelined reductions (see
-        :mod:`dask_hoplite.graph_reduce`)."""
+        optimisation, before any task state exists), with the aggregates of
+        dask.array reductions and dask.bag folds rewritten into pipelined
+        reductions (see :mod:`dask_hoplite.graph_reduce`)."""
         original = self._originals["_create_taskstate_from_graph"]
         try:
-            dsk, n = rewrite_graph(kwargs["dsk"], kwargs["keys"], self.config.array_max_inputs)
+            dsk, n = rewrite_graph(
+                kwargs["dsk"],
+                kwargs["keys"],
+                self.config.array_max_inputs,
+                arrays=self.config.array_reductions,
+                bags=self.config.bag_reductions,
+            )
         except Exception:
             logger.exception("hoplite could not rewrite a graph; running it as submitted")
         else:
             if n:
-                logger.debug("%d dask.array aggregates run as hoplite reductions", n)
+                logger.debug("%d array/bag aggregates run as hoplite reductions", n)
                 kwargs["dsk"] = dsk
                 # A task taken out of a fused one is ordered with its dependent.
                 ordered = kwargs.get("ordered")

@@ -565,7 +565,7 @@ class HopliteWorker(WorkerPlugin):
             return ev
         who_has = {k: list(v) for k, v in ev.who_has.items()}
         run = functools.partial(_run_graph_reduce, fn, keys, who_has, dict(ev.nbytes))
-        self._count("array-reductions")
+        self._count("graph-reductions")
         logger.debug("%r: reducing %d inputs where they live", ev.key, len(keys))
         return dataclasses.replace(ev, who_has={}, nbytes={}, run_spec=Task(ev.key, run))
 
@@ -591,6 +591,8 @@ class HopliteWorker(WorkerPlugin):
         operands = []
         for field in fields:
             operand = check_input(select_field(first, field, inputs[plan.root]), inputs[plan.root])
+            if not fn.accepts(operand.dtype):
+                raise ReduceInputError(f"{fn!r} does not combine {operand.dtype} parts")
             if not fn.parts_fit(operand.shape):
                 raise ReduceInputError(
                     f"input {inputs[plan.root]!r} has extent != 1 along the reduced axes"
@@ -1160,7 +1162,7 @@ def _run_graph_reduce(
             logger.warning(
                 "%r: reduce tree failed (%s: %s); fetching the inputs", fn, type(e).__name__, e
             )
-        plugin._count("array-reduction-fallbacks")
+        plugin._count("graph-reduction-fallbacks")
         values = sync(w.loop, plugin.fetch_parts, keys, who_has)
     else:  # the plugin went away after the task arrived
         raise Reschedule()

@@ -36,7 +36,7 @@ def cluster_client():
 def taken_over(client: Client) -> int:
     """How many aggregate tasks the workers have run as reduce trees so far."""
     stats = client.run(lambda dask_worker: dask_worker.plugins["hoplite-worker"].stats)
-    return sum(s.get("array-reductions", 0) for s in stats.values())
+    return sum(s.get("graph-reductions", 0) for s in stats.values())
 
 
 def check(got, expected):

@@ -123,8 +123,8 @@ def test_64_consumers_of_a_200mb_array_on_8_processes_form_a_tree():
 def _array_stats(dask_worker):
     p = dask_worker.plugins.get("hoplite-worker")
     return {
-        "taken_over": p.stats.get("array-reductions", 0) if p else 0,
-        "fallbacks": p.stats.get("array-reduction-fallbacks", 0) if p else 0,
+        "taken_over": p.stats.get("graph-reductions", 0) if p else 0,
+        "fallbacks": p.stats.get("graph-reduction-fallbacks", 0) if p else 0,
         "fetched_by_dask": sum(t["total"] for t in dask_worker.transfer_incoming_log),
     }
 
