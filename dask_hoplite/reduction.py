@@ -32,7 +32,15 @@ from tornado.iostream import IOStream
 from dask_hoplite.protocol import ProtocolError, StreamRequest
 from dask_hoplite.reduce_ops import ReduceOp, resolve_op
 from dask_hoplite.store import Layout, ObjectBuffer
-from dask_hoplite.streams import open_stream, raw_stream, read_raw, receive_stream, wait_progress
+from dask_hoplite.streams import (
+    connect,
+    drop,
+    open_stream,
+    raw_stream,
+    read_raw,
+    receive_stream,
+    wait_progress,
+)
 
 if TYPE_CHECKING:
     from dask_hoplite.worker import HopliteWorker
@@ -293,7 +301,7 @@ async def _combine_raw(job: _NodeJob) -> None:
     try:
         for c in children:
             addr = spec.addresses[c]
-            comm = await w.rpc.connect(addr)
+            comm = await connect(w.rpc, addr, stall)
             opened.append((addr, comm, None))  # type: ignore[arg-type]
             req = StreamRequest(spec.partial_key(c), 0, block, None, raw=True)
             layout, stream = await open_stream(comm, req, stall_timeout=stall)
@@ -312,8 +320,8 @@ async def _combine_raw(job: _NodeJob) -> None:
                 parts.append(np.frombuffer(sc[: b - a], dtype=rdt))
             _combine_block(op, rdt, own, acc, a, b, parts)
     except BaseException:
-        for _, comm, _ in opened:
-            comm.abort()
+        for addr, comm, _ in opened:
+            drop(w.rpc, addr, comm)
         raise
     for addr, comm, _ in opened:
         w.rpc.reuse(addr, comm)
@@ -357,7 +365,7 @@ async def _pull(plugin: HopliteWorker, spec: ReduceSpec, child: int, buf: Object
     w = plugin.worker
     assert w is not None
     addr = spec.addresses[child]
-    comm: Comm = await w.rpc.connect(addr)
+    comm: Comm = await connect(w.rpc, addr, plugin.config.stall_timeout)
     done = False
     try:
         req = StreamRequest(
@@ -373,4 +381,4 @@ async def _pull(plugin: HopliteWorker, spec: ReduceSpec, child: int, buf: Object
         raise
     finally:
         if not done:
-            comm.abort()
+            drop(w.rpc, addr, comm)

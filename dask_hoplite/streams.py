@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from distributed.comm.core import Comm
+from distributed.core import ConnectionPool
 from distributed.protocol import to_serialize
 from tornado.iostream import IOStream
 
@@ -52,6 +53,28 @@ async def _bounded(aw: Any, timeout: float, what: str, peer: str) -> Any:
         return await asyncio.wait_for(aw, timeout)
     except asyncio.TimeoutError:
         raise StreamStalled(f"no {what} from/to {peer} for {timeout:g}s") from None
+
+
+async def connect(pool: ConnectionPool, addr: str, timeout: float) -> Comm:
+    """A comm to ``addr`` from ``pool``, within ``timeout``.
+
+    ``ConnectionPool.connect`` bounds only the TCP connect: Dask's handshake
+    that follows waits without limit, and a stopped peer's kernel accepts the
+    connection and then never answers. A cancelled connect gives its pool
+    slot back."""
+    return await _bounded(pool.connect(addr), timeout, "handshake", addr)
+
+
+def drop(pool: ConnectionPool, addr: str, comm: Comm) -> None:
+    """Abort ``comm`` (taken from ``pool`` for ``addr``) and give its slot back.
+
+    A comm from ``ConnectionPool.connect`` holds one of the pool's slots (a
+    worker's pool has 512) until it is handed to ``reuse``; an aborted comm
+    that is not handed back holds its slot for good, and once a worker has
+    leaked them all, every connection it opens (Dask's own too) waits
+    forever."""
+    comm.abort()
+    pool.reuse(addr, comm)
 
 
 async def wait_progress(buf: ObjectBuffer, threshold: int, timeout: float) -> None:

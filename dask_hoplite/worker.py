@@ -73,7 +73,14 @@ from dask_hoplite.reduction import (
     select_field,
 )
 from dask_hoplite.store import BlockStore, BufferPool, BufferState, LayoutChanged, ObjectBuffer
-from dask_hoplite.streams import raw_stream, receive_stream, send_stream, wait_progress
+from dask_hoplite.streams import (
+    connect,
+    drop,
+    raw_stream,
+    receive_stream,
+    send_stream,
+    wait_progress,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +354,7 @@ class HopliteWorker(WorkerPlugin):
         comm: Comm | None = None
         t0 = time()
         try:
-            comm = await w.rpc.connect(sender)
+            comm = await connect(w.rpc, sender, self.config.stall_timeout)
             offset = buf.progress if buf.layout is not None else 0
             req = StreamRequest(key, offset, block, tid, raw=raw_stream(comm) is not None)
             n = await receive_stream(comm, buf, req, stall_timeout=self.config.stall_timeout)
@@ -375,7 +382,7 @@ class HopliteWorker(WorkerPlugin):
             return _FAILED
         finally:
             if comm is not None:
-                comm.abort()
+                drop(w.rpc, sender, comm)
             self._send(
                 {
                     "op": "hoplite-finished",
@@ -922,39 +929,71 @@ class HopliteWorker(WorkerPlugin):
 
     async def _run_root(self, spec: ReduceSpec, value: Any, start: Any) -> Any:
         """Run the root node while starting the others; on the first failure
-        abort everything and raise the clearest error."""
-        w = self.worker
-        assert w is not None
+        (or when cancelled) abort everything and raise the clearest error.
+
+        Once the root's own node has finished, every node's partial result has
+        been streamed up the tree, so the nodes' replies are only waited for
+        one stall timeout more (a node whose worker hangs after sending must
+        not hold the result back)."""
         root = spec.root
         nodes = [asyncio.create_task(start(i)) for i in range(len(spec.inputs)) if i != root]
         own = asyncio.create_task(run_node(self, spec, root, value))
+        tasks: set[asyncio.Task[Any]] = {*nodes, own}
+        pending = set(tasks)
+        failed: list[asyncio.Task[Any]] = []
         self._roots.add(spec.rid)
         try:
-            done, pending = await asyncio.wait([*nodes, own], return_when=asyncio.FIRST_EXCEPTION)
+            while pending and not failed:
+                timeout = self.config.stall_timeout if own.done() else None
+                done, pending = await asyncio.wait(
+                    pending, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
+                )
+                failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+                if not done and own.done():
+                    logger.info(
+                        "reduction %s: %d node(s) did not confirm within %gs of the result",
+                        spec.rid,
+                        len(pending),
+                        self.config.stall_timeout,
+                    )
+                    for t in pending:
+                        t.cancel()
+                        t.add_done_callback(lambda t: t.cancelled() or t.exception())
+                    break
+        except BaseException:  # cancelled from outside
+            self._abort_tree(spec, tasks)
+            raise
         finally:
             self._roots.discard(spec.rid)
-        failed = [t for t in done if not t.cancelled() and t.exception() is not None]
         if failed:
-            for t in pending:
-                t.cancel()
-            aborts = asyncio.gather(
-                *(
-                    w.rpc(a).hoplite_reduce_abort(rid=spec.rid)
-                    for a in set(spec.addresses) | set(spec.copies)
-                ),
-                return_exceptions=True,
-            )
-            # Not waited for: a live peer gets it within a round trip, while a
-            # dead one is retried by Dask's connect for comm.timeouts.connect
-            # and a hung one never answers. A restart uses a new id anyway.
-            self._background.add(aborts)
-            aborts.add_done_callback(self._background.discard)
-            for t in pending:  # cancelled; collect their outcome without waiting
-                t.add_done_callback(lambda t: t.cancelled() or t.exception())
-            self._drop_partials(spec.rid)
+            self._abort_tree(spec, tasks)
             errors = [t.exception() for t in failed]
             raise next((e for e in errors if isinstance(e, ReduceInputError)), errors[0])  # type: ignore[misc]
         return await self._deserialize(own.result())
+
+    def _abort_tree(self, spec: ReduceSpec, tasks: set[asyncio.Task[Any]]) -> None:
+        """Stop every node and copy of reduction ``spec`` (this worker's
+        ``tasks`` too) and drop its partial results here."""
+        w = self.worker
+        assert w is not None
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+            # collect the outcome without waiting
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
+        aborts = asyncio.gather(
+            *(
+                w.rpc(a).hoplite_reduce_abort(rid=spec.rid)
+                for a in set(spec.addresses) | set(spec.copies)
+            ),
+            return_exceptions=True,
+        )
+        # Not waited for: a live peer gets it within a round trip, while a
+        # dead one is retried by Dask's connect for comm.timeouts.connect
+        # and a hung one never answers. A restart uses a new id anyway.
+        self._background.add(aborts)
+        aborts.add_done_callback(self._background.discard)
+        self._drop_partials(spec.rid)
 
     async def run_allreduce_part(
         self, value: Any, spec_msgs: list[dict[str, Any]], mine: int
@@ -991,17 +1030,32 @@ class HopliteWorker(WorkerPlugin):
         w = self.worker
         assert w is not None
         me = w.address
-        own = self.run_reduction(value, spec_msgs[mine])
-        others = [
-            self.pull_copy(spec_msgs[i], specs[i].copies.index(me))
-            for i in range(len(specs))
-            if i != mine
+        tasks = [
+            asyncio.create_task(self.run_reduction(value, spec_msgs[mine])),
+            *(
+                asyncio.create_task(self.pull_copy(spec_msgs[i], specs[i].copies.index(me)))
+                for i in range(len(specs))
+                if i != mine
+            ),
         ]
-        results = await asyncio.gather(own, *others, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise next((e for e in errors if isinstance(e, ReduceInputError)), errors[0])
-        segments: list[np.ndarray] = list(results)  # type: ignore[arg-type]
+        try:
+            # The first failure ends the wait: the caller then reduces
+            # everything itself, and the other segments are no use any more.
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+                t.add_done_callback(lambda t: t.cancelled() or t.exception())
+        errors: list[BaseException] = [
+            e for t in done if not t.cancelled() and (e := t.exception()) is not None
+        ]
+        if errors or pending:
+            raise next(
+                (e for e in errors if isinstance(e, ReduceInputError)),
+                errors[0] if errors else RuntimeError("allreduce segment cancelled"),
+            )
+        segments: list[np.ndarray] = [t.result() for t in tasks]
         order = [mine, *(i for i in range(len(specs)) if i != mine)]
         first = segments[0]
         full = dataclasses.replace(specs[mine], shape=np.shape(value))
@@ -1127,14 +1181,14 @@ class HopliteWorker(WorkerPlugin):
         assert w is not None
         key = spec.copy_key(j)
         async with self._held_until_sent(key, hold=j + 1 < len(spec.copies)):
-            comm = await w.rpc.connect(src_addr)
+            comm = await connect(w.rpc, src_addr, self.config.stall_timeout)
             try:
                 req = StreamRequest(
                     src_key, 0, spec.block_bytes, None, raw=raw_stream(comm) is not None
                 )
                 await receive_stream(comm, buf, req, stall_timeout=self.config.stall_timeout)
             except BaseException:
-                comm.abort()
+                drop(w.rpc, src_addr, comm)
                 raise
             w.rpc.reuse(src_addr, comm)
             result = await self._deserialize(buf)

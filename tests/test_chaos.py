@@ -80,6 +80,13 @@ def diagnose(outs: list) -> str:
             "roots": sorted(getattr(plugin, "_roots", ())),
             "store": len(plugin.store) if plugin else None,
             "recent": list(getattr(plugin, "recent", ()))[-5:],
+            "pool": {
+                "free": dask_worker.rpc.semaphore._value,
+                "open": dask_worker.rpc.open,
+                "closed-but-held": sum(
+                    c.closed() for cs in dask_worker.rpc.occupied.values() for c in cs
+                ),
+            },
         }
 
     lines = []

@@ -241,3 +241,24 @@ def test_segmented_allreduce_of_mismatched_inputs_names_the_offender(client):
     np.testing.assert_array_equal(
         dh.allreduce(futures[:2], "sum")[0].result(), np.full(10_000, 2.0)
     )
+
+
+def leaked_comms(dask_worker) -> int:
+    """Comms a worker's connection pool counts as in use but that are closed:
+    each holds one of the pool's 512 slots for good, and once they are all
+    gone every connection the worker opens waits forever."""
+    return sum(c.closed() for comms in dask_worker.rpc.occupied.values() for c in comms)
+
+
+def test_broken_trees_give_their_connections_back(client):
+    """Reduce trees cut short (an input of another shape: the root's and the
+    nodes' streams are aborted) leave every worker's connection pool whole,
+    and the workers go on reducing."""
+    n = 300_000  # 2.4 MB: above min-bytes, so the inputs take the tree
+    for attempt in range(4):
+        arrays = [np.ones(n), np.ones(n), np.ones(n + 1 + attempt)]
+        with pytest.raises(ReduceInputError, match="shape"):
+            dh.reduce(scatter(client, arrays), "sum").result()
+    assert set(client.run(leaked_comms).values()) == {0}
+    total = dh.reduce(scatter(client, [np.ones(n)] * 3), "sum").result()
+    assert_matches(total, np.full(n, 3.0))
