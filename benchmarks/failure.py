@@ -123,6 +123,7 @@ if method == "hoplite":
     stats = c.run(lambda dask_worker: dict(dask_worker.plugins["hoplite-worker"].stats))
     out["resumes"] = sum(s.get("resumes", 0) for s in stats.values())
     out["restarts"] = sum(s.get("restarts", 0) for s in stats.values())
+    out["bytes_resumed"] = sum(s.get("bytes-resumed", 0) for s in stats.values())
 print(json.dumps(out), flush=True)
 """
 
@@ -142,6 +143,7 @@ class Outcome:
     resumes: int = 0
     restarts: int = 0
     note: str = ""
+    bytes_resumed: int = 0  # bytes receivers already had when their stream resumed
 
     @property
     def x_bound(self) -> float:
@@ -229,6 +231,7 @@ def run_one(
         int(out.get("resumes", 0)),
         int(out.get("restarts", 0)),
         note or ("" if out["ok"] else "WRONG RESULT"),
+        int(out.get("bytes_resumed", 0)),
     )
 
 

@@ -70,6 +70,7 @@ class HopliteConfig:
     window_bytes: int
     stall_timeout: float
     max_resumes: int
+    resume_window: float
     fanout: int
     queue_timeout: float
     protect_streams: bool
@@ -113,6 +114,7 @@ class HopliteConfig:
             window_bytes=window,
             stall_timeout=_seconds("stall-timeout"),
             max_resumes=_count("resume-attempts"),
+            resume_window=_seconds("resume-window"),
             fanout=fanout,
             queue_timeout=_seconds("directory.queue-timeout"),
             protect_streams=bool(_get("amm.protect-streams")),

@@ -251,6 +251,9 @@ class ObjectBuffer:
         self.layout: Layout | None = None
         self.progress = 0
         self.error: BaseException | None = None
+        #: Set while the buffer serves nobody (kept for a resume of its own
+        #: receiving, see :meth:`interrupt`).
+        self.interrupted: BaseException | None = None
         self._frames: list[memoryview] = []
         self._array: np.ndarray | None = None
         self._waiters: list[tuple[int, Waiter]] = []
@@ -340,8 +343,25 @@ class ObjectBuffer:
         for _, cb in waiters:
             cb(self)
 
+    def interrupt(self, error: BaseException) -> None:
+        """Stop serving readers, but keep the bytes: every waiter is woken
+        and sees :attr:`interrupted` (so a relay's receivers give up on it at
+        once instead of waiting for progress that may not come), until
+        :meth:`resume` is called when this buffer's own receiving resumes."""
+        if self.state is not BufferState.RECEIVING:
+            return
+        self.interrupted = error
+        waiters, self._waiters = self._waiters, []
+        for _, cb in waiters:
+            cb(self)
+
+    def resume(self) -> None:
+        """This buffer receives again: readers may wait for its progress."""
+        self.interrupted = None
+
     def _complete(self) -> None:
         self.state = BufferState.COMPLETE
+        self.interrupted = None
         self._wake()
 
     # -------------------------------------------------------------- reading
@@ -357,6 +377,8 @@ class ObjectBuffer:
 
     def _satisfied(self, threshold: int) -> bool:
         if self.state in (BufferState.COMPLETE, BufferState.FAILED):
+            return True
+        if self.interrupted is not None:
             return True
         if self.layout is None:
             return False

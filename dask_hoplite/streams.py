@@ -79,7 +79,8 @@ def drop(pool: ConnectionPool, addr: str, comm: Comm) -> None:
 
 async def wait_progress(buf: ObjectBuffer, threshold: int, timeout: float) -> None:
     """Wait until ``buf`` has more than ``threshold`` bytes, its layout is known
-    (threshold 0, empty object), or it completed or failed."""
+    (threshold 0, empty object), or it completed; raise if it failed or was
+    interrupted first."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
 
@@ -96,6 +97,8 @@ async def wait_progress(buf: ObjectBuffer, threshold: int, timeout: float) -> No
         ) from None
     if buf.state is BufferState.FAILED:
         raise RuntimeError(f"upstream copy of {buf.key!r} failed: {buf.error}")
+    if buf.interrupted is not None and buf.progress <= threshold:
+        raise RuntimeError(f"upstream copy of {buf.key!r} stopped: {buf.interrupted}")
 
 
 async def send_stream(

@@ -131,6 +131,8 @@ class HopliteWorker(WorkerPlugin):
         self._orig_gather: Any = None
         self._orig_handle_stimulus: Any = None
         self._fetching: dict[Key, asyncio.Future[None]] = {}
+        #: Partial copies of released keys kept for a resume, with their expiry.
+        self._orphans: dict[Key, asyncio.TimerHandle] = {}
         #: Holders of keys hoplite gave up on, as the scheduler saw them then.
         self._holders: dict[Key, list[str]] = {}
         #: The latest transfers into this worker: key, sender, bytes, and wall
@@ -201,6 +203,9 @@ class HopliteWorker(WorkerPlugin):
         for tasks in self._reductions.values():
             for t in tasks:
                 t.cancel()
+        for handle in self._orphans.values():
+            handle.cancel()
+        self._orphans.clear()
         trim = worker.periodic_callbacks.pop(_TRIM_CALLBACK, None)
         if trim is not None:
             trim.stop()
@@ -217,7 +222,16 @@ class HopliteWorker(WorkerPlugin):
                 # because the key was lost and is being recomputed): let it
                 # finish or resume; Dask releases the key again afterwards.
                 return
-            self.store.release(key)
+            buf = self.store.get(key)
+            if (
+                buf is not None
+                and buf.state is BufferState.RECEIVING
+                and buf.progress > 0
+                and self.config.resume_window > 0
+            ):
+                self._keep_for_resume(key, buf)
+            else:
+                self.store.release(key)
             self._send({"op": "hoplite-released", "key": key})
         elif finish == "memory":
             buf = self.store.get(key)
@@ -227,6 +241,36 @@ class HopliteWorker(WorkerPlugin):
                 # from a complete copy).
                 self.store.release(key)
                 self._send({"op": "hoplite-released", "key": key})
+
+    def _keep_for_resume(self, key: Key, buf: ObjectBuffer) -> None:
+        """Keep the partial copy ``buf`` of a key Dask released here for
+        ``hoplite.resume-window``: the key was typically lost and is being
+        recomputed, and the next fetch of it resumes this buffer. Meanwhile
+        it serves nobody: the receivers streaming from it give up at once
+        (and keep their own bytes likewise), and the directory no longer
+        lists it."""
+        w = self.worker
+        buf.interrupt(KeyError(f"{key!r} was released on {w.address if w else 'this worker'}"))
+        if key in self._orphans:
+            return
+
+        def expire() -> None:
+            self._orphans.pop(key, None)
+            if (
+                self.store.get(key) is buf
+                and key not in self._fetching
+                and buf.state is not BufferState.COMPLETE
+            ):
+                logger.debug("dropping the partial copy of %r kept for a resume", key)
+                self.store.release(key)
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the worker's event loop: nothing to time it with
+            self.store.release(key)
+            return
+        self._orphans[key] = loop.call_later(self.config.resume_window, expire)
+        self._count("partial-copies-kept")
 
     # ------------------------------------------------------------- helpers
 
@@ -266,6 +310,7 @@ class HopliteWorker(WorkerPlugin):
         directory, or no sender could finish the stream)."""
         assert self.worker is not None
         while key in self._fetching:  # another local caller is fetching it
+            logger.debug("%r: waiting for the fetch already running here", key)
             await self._fetching[key]
         buf = self.store.get(key)
         if buf is not None and buf.state is BufferState.COMPLETE:
@@ -301,6 +346,13 @@ class HopliteWorker(WorkerPlugin):
                     "hoplite directory unreachable for %r (%s); using Dask's path", key, e
                 )
                 break
+            logger.debug(
+                "%r: directory answered %s after %.3fs (progress %d)",
+                key,
+                {k: v for k, v in reply.items() if k != "holders"},
+                time() - t_request,
+                buf.progress,
+            )
             if reply.get("status") != "assign":
                 if reply.get("status") == "error":
                     logger.warning("hoplite directory refused %r: %s", key, reply.get("message"))
@@ -308,6 +360,9 @@ class HopliteWorker(WorkerPlugin):
                 self._holders[key] = list(reply.get("holders") or ())
                 break
             sender, tid = reply["sender"], reply["transfer_id"]
+            buf.resume()  # a copy kept for a resume serves its readers again
+            if buf.progress:
+                self._count("bytes-resumed", buf.progress)  # not fetched again
             outcome = await self._stream_from(buf, sender, tid, int(reply.get("nbytes") or 0))
             if outcome is _RESTART:
                 # Another object than the bytes we hold: start over, from byte 0.
@@ -410,6 +465,9 @@ class HopliteWorker(WorkerPlugin):
         gone: set[Key] = set()
         if not large or w is None or w.status not in WORKER_ANY_RUNNING:
             return await orig(worker, to_gather, total_nbytes, stimulus_id=stimulus_id)
+        logger.debug(
+            "gather_dep from %s: %d key(s), %d through hoplite", worker, len(to_gather), len(large)
+        )
         results = await asyncio.gather(*(self.fetch(k) for k in large), return_exceptions=True)
         data: dict[Key, Any] = {}
         for key, res in zip(large, results, strict=True):

@@ -111,6 +111,9 @@ def digest(x: np.ndarray) -> tuple[int, float]:
 def client():
     cfg = {
         "hoplite.stall-timeout": f"{STALL}s",
+        # partial copies of lost keys are kept this long for a resume; settle()
+        # waits for them to go
+        "hoplite.resume-window": "5s",
         "distributed.scheduler.allowed-failures": 100,  # workers die on purpose here
         "distributed.comm.timeouts.connect": "5s",
     }

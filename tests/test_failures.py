@@ -42,6 +42,8 @@ def test_a_lost_source_is_recomputed_and_partial_copies_resume(ec):
     o = run_one(ec, "broadcast-source", "hoplite", SIZE, kill=True, env=ENV)
     assert o.ok, o
     assert o.restarts == 0, o  # the recomputed object is the same: nothing restarts
+    # the receivers kept what they had while the source was recomputed
+    assert o.bytes_resumed > 0, o
 
 
 @pytest.mark.timeout(300)

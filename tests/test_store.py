@@ -67,6 +67,46 @@ def test_fail_wakes_everyone_and_rejects_writes():
         buf.write(0, b"x")
 
 
+def test_interrupt_stops_readers_but_keeps_the_bytes_for_a_resume():
+    """A partial copy kept while its object is recomputed: its readers give
+    up at once, its own receiving resumes where it stopped."""
+    buf = ObjectBuffer("k")
+    buf.allocate(Layout({}, (10,)))
+    buf.write(0, b"abcd")
+    woken = []
+    buf.when(4, lambda b: woken.append(b.interrupted))
+    buf.interrupt(KeyError("released"))
+    assert len(woken) == 1 and isinstance(woken[0], KeyError)
+    buf.when(6, lambda b: woken.append("late reader"))  # no waiting on it either
+    assert woken[-1] == "late reader"
+    assert buf.state is BufferState.RECEIVING and buf.progress == 4
+    buf.resume()
+    buf.when(6, lambda b: woken.append(b.progress))
+    assert woken[-1] == "late reader"  # waits again for real progress
+    buf.write(4, b"efghij")  # the resumed stream continues at byte 4
+    assert woken[-1] == 10 and buf.state is BufferState.COMPLETE
+    assert bytes(buf.frames()[0]) == b"abcdefghij"
+    buf.interrupt(KeyError("too late"))  # a complete copy is not interrupted
+    assert buf.interrupted is None
+
+
+def test_readers_of_an_interrupted_copy_fail_fast():
+    import asyncio
+
+    from dask_hoplite.streams import wait_progress
+
+    async def main() -> None:
+        buf = ObjectBuffer("k")
+        buf.allocate(Layout({}, (10,)))
+        buf.write(0, b"ab")
+        buf.interrupt(KeyError("released"))
+        with pytest.raises(RuntimeError, match="stopped"):
+            await wait_progress(buf, 2, timeout=60)
+        await wait_progress(buf, 1, timeout=60)  # bytes it has are still served
+
+    asyncio.run(main())
+
+
 def test_empty_object_completes_on_allocation():
     buf = ObjectBuffer("k")
     buf.allocate(Layout({}, ()))
