@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask
 import pytest
 from distributed import Client, LocalCluster
 
@@ -25,4 +26,19 @@ def client():
         c.wait_for_workers(3, timeout=30)
         c.register_plugin(dh.Hoplite())
         assert len(c.scheduler_info(n_workers=-1)["workers"]) == 3
+        yield c
+
+
+@pytest.fixture(scope="module")
+def cluster_client():
+    """3 in-process workers where reduction parts of at least 1 KiB take a
+    reduce tree (for the dask.array and dask.bag rewrites), per module."""
+    with (
+        dask.config.set({"hoplite.min-bytes": "1 KiB"}),
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        c.register_plugin(dh.Hoplite())
         yield c

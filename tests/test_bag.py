@@ -11,26 +11,12 @@ import dask.bag as db
 import numpy as np
 import pytest
 from dask._task_spec import convert_legacy_graph, execute_graph
-from distributed import Client, LocalCluster
+from distributed import Client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dask_hoplite as dh
 from dask_hoplite.graph_reduce import GraphReduce, recognize, rewrite_graph
-
-
-@pytest.fixture(scope="module")
-def cluster_client():
-    """3 in-process workers; parts of at least 1 KiB take the tree."""
-    with (
-        dask.config.set({"hoplite.min-bytes": "1 KiB"}),
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as c,
-    ):
-        c.register_plugin(dh.Hoplite())
-        yield c
 
 
 def stats(client: Client) -> dict[str, int]:
