@@ -132,7 +132,7 @@ class HopliteWorker(WorkerPlugin):
         self._orig_handle_stimulus: Any = None
         self._fetching: dict[Key, asyncio.Future[None]] = {}
         #: Partial copies of released keys kept for a resume, with their expiry.
-        self._orphans: dict[Key, asyncio.TimerHandle] = {}
+        self._orphans: dict[Key, tuple[ObjectBuffer, asyncio.TimerHandle]] = {}
         #: Holders of keys hoplite gave up on, as the scheduler saw them then.
         self._holders: dict[Key, list[str]] = {}
         #: The latest transfers into this worker: key, sender, bytes, and wall
@@ -203,7 +203,7 @@ class HopliteWorker(WorkerPlugin):
         for tasks in self._reductions.values():
             for t in tasks:
                 t.cancel()
-        for handle in self._orphans.values():
+        for _, handle in self._orphans.values():
             handle.cancel()
         self._orphans.clear()
         trim = worker.periodic_callbacks.pop(_TRIM_CALLBACK, None)
@@ -231,9 +231,11 @@ class HopliteWorker(WorkerPlugin):
             ):
                 self._keep_for_resume(key, buf)
             else:
+                self._forget_orphan(key)
                 self.store.release(key)
             self._send({"op": "hoplite-released", "key": key})
         elif finish == "memory":
+            self._forget_orphan(key)
             buf = self.store.get(key)
             if buf is not None and buf.state is not BufferState.COMPLETE:
                 # Dask's own path delivered the key while a partial copy of
@@ -251,11 +253,15 @@ class HopliteWorker(WorkerPlugin):
         lists it."""
         w = self.worker
         buf.interrupt(KeyError(f"{key!r} was released on {w.address if w else 'this worker'}"))
-        if key in self._orphans:
-            return
+        kept = self._orphans.get(key)
+        if kept is not None:
+            if kept[0] is buf:
+                return  # already timed
+            self._forget_orphan(key)
 
         def expire() -> None:
-            self._orphans.pop(key, None)
+            if self._orphans.get(key, (None,))[0] is buf:
+                del self._orphans[key]
             if (
                 self.store.get(key) is buf
                 and key not in self._fetching
@@ -269,8 +275,14 @@ class HopliteWorker(WorkerPlugin):
         except RuntimeError:  # not on the worker's event loop: nothing to time it with
             self.store.release(key)
             return
-        self._orphans[key] = loop.call_later(self.config.resume_window, expire)
+        self._orphans[key] = (buf, loop.call_later(self.config.resume_window, expire))
         self._count("partial-copies-kept")
+
+    def _forget_orphan(self, key: Key) -> None:
+        """Stop timing the kept copy of ``key`` (the store no longer holds it)."""
+        kept = self._orphans.pop(key, None)
+        if kept is not None:
+            kept[1].cancel()
 
     # ------------------------------------------------------------- helpers
 
@@ -1002,12 +1014,23 @@ class HopliteWorker(WorkerPlugin):
         self._roots.add(spec.rid)
         try:
             while pending and not failed:
-                timeout = self.config.stall_timeout if own.done() else None
+                own_ok = own.done() and not own.cancelled() and own.exception() is None
                 done, pending = await asyncio.wait(
-                    pending, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
+                    pending,
+                    timeout=self.config.stall_timeout if own_ok else None,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 failed = [t for t in done if not t.cancelled() and t.exception() is not None]
-                if not done and own.done():
+                if own_ok and failed:
+                    # The result was complete before this node's reply came:
+                    # its failure (say, it hung up after sending) changes nothing.
+                    logger.info(
+                        "reduction %s: a node failed after the result: %s",
+                        spec.rid,
+                        [t.exception() for t in failed],
+                    )
+                    failed = []
+                if not done and own_ok:
                     logger.info(
                         "reduction %s: %d node(s) did not confirm within %gs of the result",
                         spec.rid,
@@ -1105,9 +1128,12 @@ class HopliteWorker(WorkerPlugin):
                 if not t.done():
                     t.cancel()
                 t.add_done_callback(lambda t: t.cancelled() or t.exception())
-        errors: list[BaseException] = [
-            e for t in done if not t.cancelled() and (e := t.exception()) is not None
-        ]
+        errors: list[BaseException] = []
+        for t in done:
+            if t.cancelled():
+                errors.append(RuntimeError("allreduce segment cancelled"))
+            elif (e := t.exception()) is not None:
+                errors.append(e)
         if errors or pending:
             raise next(
                 (e for e in errors if isinstance(e, ReduceInputError)),

@@ -164,20 +164,22 @@ def settle(client: Client) -> None:
         time.sleep(0.2)
 
 
-def strike(client: Client, victim: str, sig: int, after: float) -> threading.Thread:
-    """Send ``sig`` to ``victim``'s process ``after`` seconds from now (a
-    stopped one is continued 3 stall timeouts later)."""
-    # From the cluster's nannies (in this process), not from the worker: a
-    # worker that has just been replaced may still be listed by the
-    # scheduler while its address refuses connections.
-    pids = {
+def live_pids(client: Client) -> dict[str, int]:
+    """Worker address -> pid of every worker process the cluster's nannies
+    (in this process) run now. The scheduler may still list a worker that was
+    just killed, whose address refuses connections."""
+    return {
         n.worker_address: n.process.pid
         for n in client.cluster.workers.values()
-        if getattr(n, "process", None) is not None and n.process.pid is not None
+        if getattr(n, "process", None) is not None
+        and n.process.pid is not None
+        and n.worker_address is not None
     }
-    pid = pids.get(victim)
-    if pid is None:
-        pid = client.run(os.getpid, workers=[victim], on_error="raise")[victim]
+
+
+def strike(pid: int, sig: int, after: float) -> threading.Thread:
+    """Send ``sig`` to process ``pid`` ``after`` seconds from now (a stopped
+    one is continued 3 stall timeouts later)."""
 
     def go() -> None:
         time.sleep(after)
@@ -201,7 +203,8 @@ def run_once(client: Client, kind: str, sig: int, rng: random.Random) -> str:
 
 
 def collective(client: Client, kind: str, sig: int, rng: random.Random) -> bool:
-    ws = workers(client)
+    pids = live_pids(client)
+    ws = [w for w in workers(client) if w in pids]
     size = rng.choice([8, 32, 64]) * 2**20
     victim = rng.choice(ws)
     after = rng.uniform(0.0, 0.6)
@@ -209,7 +212,7 @@ def collective(client: Client, kind: str, sig: int, rng: random.Random) -> bool:
         x = client.submit(make, size, 7, workers=[ws[0]], allow_other_workers=True, pure=False)
         wait(x)
         expected = digest(make(size, 7))
-        t = strike(client, victim, sig, after)
+        t = strike(pids[victim], sig, after)
         outs = [
             client.submit(digest, x, workers=[w], allow_other_workers=True, pure=False)
             for w in ws[1:]
@@ -224,7 +227,7 @@ def collective(client: Client, kind: str, sig: int, rng: random.Random) -> bool:
         ]
         wait(inputs)
         expected_sum = sum(make(size, i) for i in range(len(ws)))
-        t = strike(client, victim, sig, after)
+        t = strike(pids[victim], sig, after)
         if kind == "reduce":
             outs = [dh.reduce(inputs, "sum")]
         else:
