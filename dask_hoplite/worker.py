@@ -27,7 +27,14 @@ import logging
 import math
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+)
 from time import time
 from typing import Any
 
@@ -1037,9 +1044,7 @@ class HopliteWorker(WorkerPlugin):
                         len(pending),
                         self.config.stall_timeout,
                     )
-                    for t in pending:
-                        t.cancel()
-                        t.add_done_callback(lambda t: t.cancelled() or t.exception())
+                    _cancel_quietly(pending)
                     break
         except BaseException:  # cancelled from outside
             self._abort_tree(spec, tasks)
@@ -1057,11 +1062,7 @@ class HopliteWorker(WorkerPlugin):
         ``tasks`` too) and drop its partial results here."""
         w = self.worker
         assert w is not None
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-            # collect the outcome without waiting
-            t.add_done_callback(lambda t: t.cancelled() or t.exception())
+        _cancel_quietly(tasks)
         aborts = asyncio.gather(
             *(
                 w.rpc(a).hoplite_reduce_abort(rid=spec.rid)
@@ -1124,10 +1125,7 @@ class HopliteWorker(WorkerPlugin):
             # everything itself, and the other segments are no use any more.
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-                t.add_done_callback(lambda t: t.cancelled() or t.exception())
+            _cancel_quietly(tasks)
         errors: list[BaseException] = []
         for t in done:
             if t.cancelled():
@@ -1278,6 +1276,15 @@ class HopliteWorker(WorkerPlugin):
             result = await self._deserialize(buf)
         resolve_op(spec.op).finish(result, len(spec.inputs))
         return result
+
+
+def _cancel_quietly(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel those of ``tasks`` not done yet, and collect every outcome when
+    it comes without waiting for it (no "exception never retrieved")."""
+    for t in tasks:
+        if not t.done():
+            t.cancel()
+        t.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def _run_graph_reduce(
