@@ -35,8 +35,8 @@ from distributed.utils import sync
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.network_model import NetworkEstimate, network_estimate
 from dask_hoplite.planner import colocated_order, max_chain_length, plan_reduce_tree
-from dask_hoplite.reduce_ops import reference, resolve_op
-from dask_hoplite.reduction import ReduceSpec, check_input
+from dask_hoplite.reduce_ops import resolve_op
+from dask_hoplite.reduction import ReduceSpec, reduce_values
 from dask_hoplite.worker import HopliteWorker
 
 logger = logging.getLogger(__name__)
@@ -143,8 +143,11 @@ async def _reduce_async(
     cfg = HopliteConfig.from_dask_config()
     if size < cfg.min_bytes:
         # Small objects: a tree costs more round trips than it saves bytes;
-        # one task on the first input's worker, as Dask would do it.
-        return _reduce_small(client, chosen, keys, rop.name, addresses, copies)
+        # one task on the first input's worker, as Dask would do it (one on
+        # every worker for allreduce).
+        if copies:
+            return _allreduce_small(client, chosen, keys, rop.name, addresses)
+        return _reduce_small(client, chosen, keys, rop.name, addresses)
     distinct = list(dict.fromkeys(addresses))
     if copies and len(distinct) >= 3 and size // len(distinct) >= cfg.segment_min_bytes:
         return _allreduce_segmented(client, chosen, addresses, distinct, rop.name, net, size, cfg)
@@ -302,10 +305,23 @@ def _allreduce_segmented(
 
 
 def _reduce_small_task(op: str, keys: list[Any], *arrays: Any) -> np.ndarray:
-    first = check_input(arrays[0], keys[0])
-    like = (keys[0], first.shape, first.dtype)
-    rest = [check_input(a, key, like) for key, a in zip(keys[1:], arrays[1:], strict=True)]
-    return reference(op, [first, *rest])
+    return reduce_values(op, keys, list(arrays))
+
+
+async def _small_copy(req: dict[str, Any]) -> Any:
+    """The Dask task of a small allreduce's copy (runs on the copy's worker).
+    A coroutine: Dask runs it on the worker's event loop, with no thread to
+    hand over to and back, and cancels it when the copy is released."""
+    w = get_worker()
+    plugin = w.plugins.get("hoplite-worker")
+    if not isinstance(plugin, HopliteWorker):
+        raise RuntimeError(
+            f"dask-hoplite's worker part is not installed on {w.address}: "
+            "register dask_hoplite.Hoplite() first"
+        )
+    return await plugin.pull_result(
+        req["result"], req["root"], req["op"], req["inputs"], req["key"]
+    )
 
 
 def _reduce_small(
@@ -314,25 +330,66 @@ def _reduce_small(
     keys: list[Any],
     op: str,
     addresses: list[str],
-    copies: bool,
 ) -> list[Future]:
     result = client.submit(
         _reduce_small_task, op, keys, *chosen, workers=[addresses[0]], pure=False
     )
-    if not copies:
-        setattr(result, _INPUTS_ATTR, keys)
-        return [result]
-    # One copy task per worker, the result's own included: the copies fetch
-    # the result, and Dask's active memory manager later drops all but one
-    # replica of it, not necessarily the one on its own worker. Each copy is
-    # a key of its own, with a single replica, and stays where it was made.
-    others = sorted(set(addresses) - {addresses[0]})
-    parts = [
-        client.submit(_identity, result, workers=[w], allow_other_workers=False, pure=False)
-        for w in [addresses[0], *others]
-    ]
-    setattr(parts[0], _INPUTS_ATTR, keys)
-    return parts
+    setattr(result, _INPUTS_ATTR, keys)
+    return [result]
+
+
+def _allreduce_small(
+    client: Client, chosen: list[Future], keys: list[Any], op: str, addresses: list[str]
+) -> list[Future]:
+    """Allreduce of small objects: one task reduces on the first input's
+    worker, as Dask would; the copies, one task per other worker, start at
+    the same time and ask that worker for the result (``hoplite_result``),
+    which answers the moment the result exists.
+
+    Copies that depend on the result in Dask's graph would wait for the
+    scheduler to learn of the result, send them, and fetch it: one task layer
+    more than the reduction plus its consumers. Every worker reducing all
+    inputs itself would take one layer but (N-1)^2 transfers, and on a
+    loaded host each transfer costs more than the layer saved (measured).
+    A copy whose root is gone reduces the inputs itself."""
+    rid = uuid.uuid4().hex
+    result = client.submit(
+        _reduce_small_task,
+        op,
+        keys,
+        *chosen,
+        key=f"hoplite-allreduce-{op}-{rid}",
+        workers=[addresses[0]],
+        allow_other_workers=True,  # survives its worker; the copies follow it
+        pure=False,
+    )
+    copies = []
+    for j, w in enumerate(sorted(set(addresses) - {addresses[0]})):
+        key = f"hoplite-allreduce-{op}-{rid}-{j}"
+        req = {"result": result.key, "root": addresses[0], "op": op, "inputs": keys, "key": key}
+        copies.append(
+            client.submit(
+                _small_copy,
+                req,
+                key=key,
+                workers=[w],
+                allow_other_workers=True,  # a dead worker's copy is made elsewhere
+                pure=False,
+            )
+        )
+    # The result and the inputs stay while a copy may still want them.
+    keepalive: list[Future] = [result, *chosen]
+    remaining = set(range(len(copies)))
+
+    def done(j: int) -> None:
+        remaining.discard(j)
+        if not remaining:
+            keepalive.clear()
+
+    for j, c in enumerate(copies):
+        c.add_done_callback(lambda _, j=j: done(j))
+    setattr(result, _INPUTS_ATTR, keys)
+    return [result, *copies]
 
 
 def reduce(inputs: Sequence[Any], op: Any = "sum", k: int | None = None) -> Future:

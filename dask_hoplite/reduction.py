@@ -30,7 +30,7 @@ from distributed.protocol import serialize
 from tornado.iostream import IOStream
 
 from dask_hoplite.protocol import ProtocolError, StreamRequest
-from dask_hoplite.reduce_ops import ReduceOp, resolve_op
+from dask_hoplite.reduce_ops import ReduceOp, reference, resolve_op
 from dask_hoplite.store import Layout, ObjectBuffer
 from dask_hoplite.streams import (
     connect,
@@ -188,6 +188,15 @@ def check_input(
                 "inputs of a reduction must have one shape and dtype"
             )
     return value
+
+
+def reduce_values(op: str, keys: list[Key], values: list[Any]) -> np.ndarray:
+    """The reduction of ``values`` (the inputs ``keys``) in one place, in the
+    order given: what small objects get instead of a tree."""
+    first = check_input(values[0], keys[0])
+    like = (keys[0], first.shape, first.dtype)
+    rest = [check_input(v, key, like) for key, v in zip(keys[1:], values[1:], strict=True)]
+    return reference(op, [first, *rest])
 
 
 def _operand(value: Any, spec: ReduceSpec, slot: int, rdt: np.dtype) -> np.ndarray:

@@ -44,6 +44,7 @@ _HANDLERS = (
     "hoplite_network",
     "hoplite_key_states",
     "hoplite_locate",
+    "hoplite_task_worker",
 )
 _STREAM_HANDLERS = ("hoplite-finished", "hoplite-released")
 
@@ -136,6 +137,7 @@ class Hoplite(SchedulerPlugin):
         s.handlers["hoplite_network"] = self.handle_network
         s.handlers["hoplite_locate"] = self.handle_locate
         s.handlers["hoplite_key_states"] = self.handle_key_states
+        s.handlers["hoplite_task_worker"] = self.handle_task_worker
         s.stream_handlers["hoplite-finished"] = self.handle_finished
         s.stream_handlers["hoplite-released"] = self.handle_released
 
@@ -294,6 +296,17 @@ class Hoplite(SchedulerPlugin):
             ts = self.scheduler.tasks.get(key)
             out[key] = None if ts is None else ts.state
         return out
+
+    def handle_task_worker(self, key: Key) -> dict[str, Any]:
+        """RPC ``hoplite_task_worker``: the scheduler's state of task ``key``
+        and the worker that runs it or holds its result (None: no worker yet,
+        or none any more), so a waiter can follow a task Dask moved."""
+        assert self.scheduler is not None
+        ts = self.scheduler.tasks.get(key)
+        if ts is None:
+            return {"state": None, "worker": None}
+        ws = ts.processing_on or next(iter(ts.who_has or ()), None)
+        return {"state": ts.state, "worker": None if ws is None else ws.address}
 
     def handle_network(self) -> dict[str, Any]:
         """RPC ``hoplite_network``: the bandwidth and latency reduce trees are

@@ -43,12 +43,13 @@ from dask._task_spec import Task
 from distributed import Reschedule, WorkerPlugin, get_worker, secede
 from distributed.comm.core import Comm, CommClosedError
 from distributed.core import Status
-from distributed.protocol import deserialize, serialize
+from distributed.protocol import deserialize, serialize, to_serialize
 from distributed.utils import offload, sync
 from distributed.worker import WORKER_ANY_RUNNING, Worker, get_data_from_worker
 from distributed.worker_state_machine import (
     ComputeTaskEvent,
     GatherDepSuccessEvent,
+    SecedeEvent,
     StateMachineEvent,
 )
 from tornado.ioloop import PeriodicCallback
@@ -76,6 +77,7 @@ from dask_hoplite.reduction import (
     ReduceSpec,
     check_input,
     is_partial_key,
+    reduce_values,
     run_node,
     select_field,
 )
@@ -153,6 +155,8 @@ class HopliteWorker(WorkerPlugin):
         #: Reductions whose root runs here (their nodes ask while they wait).
         self._roots: set[str] = set()
         self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget calls
+        #: ``hoplite_result`` requests waiting for a task of this worker to finish.
+        self._result_waiters: dict[Key, list[asyncio.Future[None]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {"scheduler_version": self.scheduler_version}
@@ -181,6 +185,7 @@ class HopliteWorker(WorkerPlugin):
         worker.handlers["hoplite_reduce_node"] = self.handle_reduce_node
         worker.handlers["hoplite_reduce_abort"] = self.handle_reduce_abort
         worker.handlers["hoplite_reduce_running"] = self.handle_reduce_running
+        worker.handlers["hoplite_result"] = self.handle_result
         self._orig_handle_stimulus = worker.handle_stimulus
         worker.handle_stimulus = self.handle_stimulus  # type: ignore[method-assign]
         trim = PeriodicCallback(self._trim_pool, 1000 * min(1.0, self.config.buffer_pool_idle))
@@ -204,6 +209,7 @@ class HopliteWorker(WorkerPlugin):
             ("hoplite_reduce_node", self.handle_reduce_node),
             ("hoplite_reduce_abort", self.handle_reduce_abort),
             ("hoplite_reduce_running", self.handle_reduce_running),
+            ("hoplite_result", self.handle_result),
         ]:
             if worker.handlers.get(name) == h:
                 del worker.handlers[name]
@@ -222,7 +228,12 @@ class HopliteWorker(WorkerPlugin):
         self.worker = None
 
     def transition(self, key: Key, start: str, finish: str, **kwargs: Any) -> None:
-        """Drop our buffer when Dask lets go of the key on this worker."""
+        """Drop our buffer when Dask lets go of the key on this worker; wake
+        the ``hoplite_result`` requests for a task that finished here."""
+        if finish in ("memory", "error", "released", "forgotten"):
+            for fut in self._result_waiters.pop(key, ()):
+                if not fut.done():
+                    fut.set_result(None)
         if finish in ("released", "forgotten") and key in self.store:
             if key in self._fetching:
                 # Our stream is still running (Dask cancelled the fetch, e.g.
@@ -1189,6 +1200,97 @@ class HopliteWorker(WorkerPlugin):
         )
         return await self.run_reduction(value, plain.to_msg())
 
+    # ------------------------------------------------- small allreduce
+
+    async def handle_result(self, key: Key) -> dict[str, Any]:
+        """RPC ``hoplite_result``: the value of ``key`` as soon as it is in
+        memory here (the copies of a small allreduce ask its root's worker
+        when they start, before the result exists).
+
+        Replies ``wait`` when the key is still pending here after a stall
+        timeout (ask again), ``missing`` when it is neither here nor coming
+        (it failed, was released, or its task runs elsewhere)."""
+        w = self.worker
+        assert w is not None
+        ts = w.state.tasks.get(key)
+        if key not in w.data and not (ts is not None and ts.state == "error"):
+            fut = asyncio.get_running_loop().create_future()
+            waiters = self._result_waiters.setdefault(key, [])
+            waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, self.config.stall_timeout)
+            except asyncio.TimeoutError:
+                ts = w.state.tasks.get(key)
+                pending = ts is not None and ts.state not in ("error", "released", "forgotten")
+                return {"status": "wait" if pending else "missing"}
+            finally:
+                if fut in waiters:
+                    waiters.remove(fut)
+                if not waiters and self._result_waiters.get(key) is waiters:
+                    del self._result_waiters[key]
+        if key not in w.data:
+            return {"status": "missing"}
+        return {"status": "OK", "value": to_serialize(w.data[key])}
+
+    async def pull_result(
+        self, key: Key, holder: str, op: str, inputs: list[Key], me: Key | None = None
+    ) -> Any:
+        """Task ``me``, a small allreduce's copy: the result ``key`` from the
+        worker ``holder`` that computes it, asked for before it exists.
+
+        A root Dask moved (stolen, or rerun after its worker died) is followed
+        to its new worker. The copy leaves its worker's thread slots
+        (``secede``) before any longer wait, as Dask's own tasks that wait do:
+        the root, or an input it needs recomputed, may need that slot. If the
+        root failed or is gone, the inputs are reduced here (their errors
+        then surface here too)."""
+        w = self.worker
+        assert w is not None
+        seceded = False
+        pause = 0.01
+        while True:
+            if holder is not None:
+                if holder == w.address or seceded:
+                    seceded = self._secede(me, seceded)
+                try:
+                    reply = await asyncio.wait_for(
+                        w.rpc(holder).hoplite_result(key=key), 2 * self.config.stall_timeout
+                    )
+                except (OSError, CommClosedError, asyncio.TimeoutError) as e:
+                    logger.info("allreduce result %r unavailable from %s: %s", key, holder, e)
+                    reply = {"status": "unreachable"}
+                if reply["status"] == "OK":
+                    self._count("results-pulled")
+                    return reply["value"]
+                if reply["status"] == "wait":  # still pending there, after a stall timeout
+                    seceded = self._secede(me, seceded)
+                    continue
+            where = await w.scheduler.hoplite_task_worker(key=key)
+            if where["state"] not in ("waiting", "queued", "no-worker", "processing", "memory"):
+                break  # erred, released or forgotten: the root will not deliver
+            if where["worker"] is None or where["worker"] == holder:
+                # not assigned yet, or its worker has not heard of it yet
+                seceded = self._secede(me, seceded)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 1.0)
+            holder = where["worker"]
+        self._count("allreduce-fallbacks")
+        who_has = await w.scheduler.who_has(keys=list(inputs))
+        values = await self.fetch_parts(
+            list(inputs), {k: list(who_has.get(k) or []) for k in inputs}
+        )
+        return await offload(reduce_values, op, list(inputs), values)
+
+    def _secede(self, key: Key | None, seceded: bool) -> bool:
+        """Take running task ``key`` (a coroutine) out of this worker's thread
+        slots, once, as :func:`distributed.secede` does for a thread."""
+        w = self.worker
+        if not seceded and key is not None and w is not None:
+            w.handle_stimulus(
+                SecedeEvent(key=key, compute_duration=0.0, stimulus_id=f"hoplite-secede-{time()}")
+            )
+        return True
+
     async def run_copy(self, spec_msg: dict[str, Any], j: int) -> Any:
         """Allreduce copy ``j`` as a Dask task: :meth:`pull_copy`, or, if the
         pipeline broke (a worker died or stalled), the whole reduction here."""
@@ -1243,7 +1345,7 @@ class HopliteWorker(WorkerPlugin):
             try:
                 await asyncio.wait({task})
             except BaseException:  # we were cancelled ourselves
-                task.cancel()
+                _cancel_quietly([task])
                 buf.fail(RuntimeError("allreduce copy cancelled"))
                 raise
         if task.cancelled():

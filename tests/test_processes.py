@@ -162,3 +162,59 @@ def test_sum_of_eight_256_mib_chunks_on_eight_workers():
         fetched = sum(after[w]["fetched_by_dask"] - before[w]["fetched_by_dask"] for w in after)
         assert dask_fetched >= 2**28  # Dask's tree moved whole partial sums
         assert fetched < 2**20, fetched  # hoplite's moved none through Dask
+
+
+async def _allreduce_rooted_at_first(c, futures):
+    """dh.allreduce's small path with the root on the first input's worker."""
+    from dask_hoplite.collectives import _allreduce_small, _locate
+
+    keys = [f.key for f in futures]
+    who_has, _, _ = await _locate(c, keys)
+    return _allreduce_small(c, futures, keys, "sum", [who_has[k][0] for k in keys])
+
+
+def _counter(dask_worker, name):
+    p = dask_worker.plugins.get("hoplite-worker")
+    return p.stats.get(name, 0) if p else 0
+
+
+@pytest.mark.timeout(120)
+def test_small_allreduce_survives_the_death_of_its_roots_worker():
+    """A small allreduce whose root's worker process is killed before the
+    root ran (it queued behind a busy thread): the root and the inputs that
+    died with it are recomputed elsewhere, the copies waiting on the dead
+    worker follow the root, and every result is right."""
+    import os
+    import signal
+    import time
+
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        c.register_plugin(Hoplite())
+        ws = sorted(c.scheduler_info(n_workers=-1)["workers"])
+        futures = [
+            c.submit(np.full, 10, float(i + 1), workers=[w], allow_other_workers=True)
+            for i, w in enumerate(ws)
+        ]
+        wait(futures)
+        blocker = c.submit(time.sleep, 60, workers=[ws[0]], pure=False)
+        while c.processing(ws[0])[ws[0]] == ():
+            time.sleep(0.01)
+        parts = c.sync(_allreduce_rooted_at_first, c, futures)
+        assert len(parts) == 3
+        time.sleep(0.5)  # the copies are waiting for the root
+        assert not any(p.done() for p in parts)
+        pid = c.run(os.getpid, workers=[ws[0]])[ws[0]]
+        del blocker
+        os.kill(pid, signal.SIGKILL)
+        results = c.gather(parts)
+        for r in results:
+            np.testing.assert_array_equal(r, np.full(10, 6.0))
+        # both copies waited on the dead worker and got the rerun root's
+        # result; neither had to reduce the inputs itself
+        assert sum(c.run(_counter, name="results-pulled").values()) == 2
+        assert sum(c.run(_counter, name="allreduce-fallbacks").values()) == 0
