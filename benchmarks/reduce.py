@@ -15,6 +15,9 @@ Methods (each on a fresh Dask cluster over the same emulated network):
 * ``dask-allreduce`` / ``hoplite-allreduce``: the sum on every worker (Dask: the
   one-task sum, then one consumer task pinned to each worker; hoplite:
   ``dask_hoplite.allreduce``), bound 2(N-1)/N * S/B;
+* ``dask-allreduce-copies``: what ``dask_hoplite.allreduce`` returns, made by Dask:
+  the one-task sum, then a copy task pinned to each worker (a future per worker),
+  and one consumer task per copy;
 * ``dask-gather`` / ``hoplite-gather``: the list of all inputs on worker 0 (one
   task taking all inputs, with and without the plugin), bound (N-1) * S/B;
 * ``mpi-reduce``, ``mpi-allreduce``, ``mpi-gather`` and their ``mpi-tuned-*``
@@ -59,6 +62,7 @@ METHODS = (
     "hoplite-bag",
     "dask-allreduce",
     "hoplite-allreduce",
+    "dask-allreduce-copies",
     "dask-gather",
     "hoplite-gather",
 )
@@ -67,7 +71,7 @@ MPI_METHODS = mpi_peers.REDUCE_METHODS
 
 def bound_factor(method: str, n: int) -> float:
     """The physical bound in units of S/B."""
-    if method.endswith("allreduce"):
+    if "allreduce" in method:
         return 2 * (n - 1) / n
     if method.endswith("gather"):
         return n - 1
@@ -91,6 +95,10 @@ def add_all(*xs: np.ndarray) -> np.ndarray:
     for x in xs[1:]:
         out += x
     return out
+
+
+def identity(x: np.ndarray) -> np.ndarray:
+    return x
 
 
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -155,6 +163,10 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
             elif method == "dask-allreduce":
                 s = client.submit(add_all, *xs, workers=[workers[0]], pure=False)
                 total = [client.submit(check, s, workers=[w], pure=False) for w in workers]
+            elif method == "dask-allreduce-copies":
+                s = client.submit(add_all, *xs, workers=[workers[0]], pure=False)
+                copies = [client.submit(identity, s, workers=[w], pure=False) for w in workers]
+                total = [client.submit(check, c, pure=False) for c in copies]
             elif method == "hoplite-allreduce":
                 total = [client.submit(check, p, pure=False) for p in dh.allreduce(xs, "sum")]
             elif method.endswith("gather"):
@@ -165,7 +177,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
             dt = time.perf_counter() - t0
             c1 = cpu_seconds(pids)
             rx1 = [ec.nic_bytes(r)[1] for r in roles]
-            if method.endswith("allreduce"):
+            if "allreduce" in method:
                 ok_all = len(total) == n and all(
                     r == (size // 8, expected, expected) for r in client.gather(total)
                 )
