@@ -15,7 +15,8 @@ Scenarios (N worker hosts, objects of S bytes, per-host bandwidth B):
   receivers below it resume rather than restart.
 * ``reduce``            the sum of N inputs (one task each, one per worker),
   killing a worker that is not the root's at half of S/B; the lost input is
-  recomputed and the reduction restarts. Goal: recompute + 2 S/B.
+  recomputed, and a node replaces the dead one where its parent's stream
+  broke (the rest of the tree keeps its partial results). Goal: recompute + 2 S/B.
 
 Each scenario runs without failure too, with hoplite and with Dask's default
 (no plugin), on a fresh Dask cluster every time. Times are from the first
@@ -124,6 +125,8 @@ if method == "hoplite":
     out["resumes"] = sum(s.get("resumes", 0) for s in stats.values())
     out["restarts"] = sum(s.get("restarts", 0) for s in stats.values())
     out["bytes_resumed"] = sum(s.get("bytes-resumed", 0) for s in stats.values())
+    out["tree_repairs"] = sum(s.get("reduce-repairs", 0) for s in stats.values())
+    out["tree_restarts"] = sum(s.get("reduce-restarts", 0) for s in stats.values())
 print(json.dumps(out), flush=True)
 """
 
@@ -144,6 +147,8 @@ class Outcome:
     restarts: int = 0
     note: str = ""
     bytes_resumed: int = 0  # bytes receivers already had when their stream resumed
+    tree_repairs: int = 0  # reduce-tree nodes replaced where they died (tree kept)
+    tree_restarts: int = 0  # reduce trees restarted from scratch
 
     @property
     def x_bound(self) -> float:
@@ -232,6 +237,8 @@ def run_one(
         int(out.get("restarts", 0)),
         note or ("" if out["ok"] else "WRONG RESULT"),
         int(out.get("bytes_resumed", 0)),
+        int(out.get("tree_repairs", 0)),
+        int(out.get("tree_restarts", 0)),
     )
 
 
@@ -250,12 +257,12 @@ def goal(o: Outcome) -> str:
 def print_table(results: list[Outcome]) -> None:
     print(
         f"{'scenario':18} {'method':8} {'killed':6} {'time s':>8} {'x S/B':>7} "
-        f"{'recompute s':>11} {'resumes':>7} {'restarts':>8}  goal"
+        f"{'recompute s':>11} {'resumes':>7} {'restarts':>8} {'repairs':>7}  goal"
     )
     for o in results:
         print(
             f"{o.scenario:18} {o.method:8} {'yes' if o.killed else 'no':6} {o.time:8.2f} "
-            f"{o.x_bound:7.2f} {o.compute:11.2f} {o.resumes:7d} {o.restarts:8d}  "
+            f"{o.x_bound:7.2f} {o.compute:11.2f} {o.resumes:7d} {o.restarts:8d} {o.tree_repairs:7d}  "
             f"{goal(o)} {o.note}"
         )
 

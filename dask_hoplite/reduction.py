@@ -55,6 +55,10 @@ class ReduceInputError(ValueError):
     not an array."""
 
 
+class LayoutMismatch(ProtocolError):
+    """A child of a reduce node streams another size or mode than the tree's."""
+
+
 @dataclass(frozen=True)
 class ReduceSpec:
     """Everything a node needs to know; travels as a msgpack-able dict."""
@@ -210,10 +214,13 @@ def _operand(value: Any, spec: ReduceSpec, slot: int, rdt: np.dtype) -> np.ndarr
     return np.ascontiguousarray(flat, dtype=rdt)
 
 
-async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: Any) -> ObjectBuffer:
+async def run_node(
+    plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: Any, offset: int = 0
+) -> ObjectBuffer:
     """Combine this node's input with its children's streams into its partial
     buffer (announced in the store, so the parent can stream it as it fills).
-    Returns the completed buffer."""
+    Returns the completed buffer. A node replacing a dead one starts at
+    ``offset``, the byte its parent reached."""
     w = plugin.worker
     assert w is not None
     op: ReduceOp = resolve_op(spec.op)
@@ -234,9 +241,11 @@ async def run_node(plugin: HopliteWorker, spec: ReduceSpec, slot: int, value: An
         acc.allocate(result_layout(spec.node_shape(), rdt))
         itemsize = max(1, rdt.itemsize)
         block = max(itemsize, spec.block_bytes // itemsize * itemsize)
-        job = _NodeJob(plugin, spec, children, op, rdt, own, acc, block)
+        job = _NodeJob(plugin, spec, children, op, rdt, own, acc, block, offset)
         if raw_capable(spec, children):
             await _combine_raw(job)
+        elif offset:
+            raise ProtocolError("only TCP/TLS reduce nodes resume from an offset")
         else:
             await _combine_buffered(job)
         return acc
@@ -259,6 +268,8 @@ class _NodeJob:
     own: np.ndarray
     acc: ObjectBuffer
     block: int
+    #: The first byte to produce (a replacement node: its parent has the rest).
+    offset: int = 0
 
     def fields(self) -> tuple[Any, ...]:
         return (
@@ -300,39 +311,76 @@ def raw_capable(spec: ReduceSpec, children: list[int]) -> bool:
 
 async def _combine_raw(job: _NodeJob) -> None:
     """Read each child's stream block by block into a small scratch buffer and
-    combine straight from it (cache-hot, no child-sized allocation)."""
+    combine straight from it (cache-hot, no child-sized allocation).
+
+    A child whose stream breaks (its worker died) is replaced: the root of
+    the tree starts a node for the child's input on a worker that holds it
+    (recomputed if it was lost) and this node resumes the child's stream
+    there from the block it reached. Its other children stream on."""
     plugin, spec, children, op, rdt, own, acc, block = job.fields()
     w = plugin.worker
     assert w is not None
     stall = plugin.config.stall_timeout
     total = acc.nbytes
-    opened: list[tuple[str, Comm, IOStream]] = []
-    try:
-        for c in children:
-            addr = spec.addresses[c]
-            comm = await connect(w.rpc, addr, stall)
-            opened.append((addr, comm, None))  # type: ignore[arg-type]
-            req = StreamRequest(spec.partial_key(c), 0, block, None, raw=True)
+    addresses = {c: spec.addresses[c] for c in children}
+    opened: dict[int, tuple[str, Comm, IOStream]] = {}
+
+    async def open_child(c: int, offset: int) -> None:
+        addr = addresses[c]
+        comm = await connect(w.rpc, addr, stall)
+        try:
+            req = StreamRequest(spec.partial_key(c), offset, block, None, raw=True)
             layout, stream = await open_stream(comm, req, stall_timeout=stall)
             if stream is None or layout.nbytes != total:
-                raise ProtocolError(
+                raise LayoutMismatch(
                     f"child {spec.inputs[c]!r} answered with {layout.nbytes} bytes in "
                     f"{'raw' if stream else 'message'} mode; expected {total} in raw mode"
                 )
-            opened[-1] = (addr, comm, stream)
+        except BaseException:
+            drop(w.rpc, addr, comm)
+            raise
+        opened[c] = (addr, comm, stream)
+
+    async def resume_child(c: int, offset: int, error: Exception) -> None:
+        if isinstance(error, (ReduceInputError, LayoutMismatch)):
+            raise error
+        if c in opened:
+            addr, comm, _ = opened.pop(c)
+            drop(w.rpc, addr, comm)
+        addresses[c] = await plugin.replace_child(spec, c, offset, addresses[c], error)
+        await open_child(c, offset)
+
+    async def read(c: int, into: memoryview, offset: int) -> None:
+        while True:
+            try:
+                if c not in opened:
+                    await open_child(c, offset)
+                _, comm, stream = opened[c]
+                await read_raw(stream, into, stall, comm.peer_address)
+                return
+            except Exception as e:
+                await resume_child(c, offset, e)
+
+    try:
+        acc.start_at(job.offset)
+        for c in children:
+            try:
+                await open_child(c, job.offset)
+            except Exception as e:
+                await resume_child(c, job.offset, e)
         scratch = [memoryview(bytearray(block)) for _ in children]
-        for a in range(0, total, block):
+        for a in range(job.offset, total, block):
             b = min(total, a + block)
             parts = []
-            for (_, comm, stream), sc in zip(opened, scratch, strict=True):
-                await read_raw(stream, sc[: b - a], stall, comm.peer_address)
+            for c, sc in zip(children, scratch, strict=True):
+                await read(c, sc[: b - a], a)
                 parts.append(np.frombuffer(sc[: b - a], dtype=rdt))
             _combine_block(op, rdt, own, acc, a, b, parts)
     except BaseException:
-        for addr, comm, _ in opened:
+        for addr, comm, _ in opened.values():
             drop(w.rpc, addr, comm)
         raise
-    for addr, comm, _ in opened:
+    for addr, comm, _ in opened.values():
         w.rpc.reuse(addr, comm)
 
 

@@ -320,6 +320,13 @@ class ObjectBuffer:
             raise ValueError(f"[{start}, {stop}) does not continue progress {self.progress}")
         return memoryview(self._array)[start:stop]  # type: ignore[arg-type]
 
+    def start_at(self, offset: int) -> None:
+        """Receiving side of a replacement reduce node: its reader already
+        has bytes [0, offset) from the node it replaces, and streams from
+        ``offset``; those bytes are skipped here, never written or read."""
+        if offset:
+            self.advance(offset)
+
     def advance(self, end: int) -> int:
         """Bytes up to ``end`` were written in place; wake readers."""
         if self.state is not BufferState.RECEIVING or self._array is None:

@@ -90,6 +90,7 @@ from dask_hoplite.streams import (
     send_stream,
     wait_progress,
 )
+from dask_hoplite.tree_repair import TreeRepair
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,17 @@ class NodeFailed(RuntimeError):
         #: The node's worker did not answer at all (it is likely dead), as
         #: opposed to answering with an error.
         self.unreachable = unreachable
+
+
+@dataclasses.dataclass
+class _RootRepair:
+    """What a root's worker keeps to replace a node of a running tree."""
+
+    repair: TreeRepair
+    #: The task running each node now (its call to the node's worker).
+    current: dict[int, asyncio.Task[Any]]
+    #: Replacement nodes started, for the root's loop to wait on.
+    joined: asyncio.Queue[tuple[int, asyncio.Task[Any]]]
 
 
 class VersionMismatch(RuntimeError):
@@ -154,6 +166,8 @@ class HopliteWorker(WorkerPlugin):
         self._aborted: deque[str] = deque(maxlen=1000)  # an abort may beat its node
         #: Reductions whose root runs here (their nodes ask while they wait).
         self._roots: set[str] = set()
+        #: The repair state of the reductions whose root runs here.
+        self._repairs: dict[str, _RootRepair] = {}
         self._background: set[asyncio.Future[Any]] = set()  # fire-and-forget calls
         #: ``hoplite_result`` requests waiting for a task of this worker to finish.
         self._result_waiters: dict[Key, list[asyncio.Future[None]]] = {}
@@ -186,6 +200,7 @@ class HopliteWorker(WorkerPlugin):
         worker.handlers["hoplite_reduce_abort"] = self.handle_reduce_abort
         worker.handlers["hoplite_reduce_running"] = self.handle_reduce_running
         worker.handlers["hoplite_result"] = self.handle_result
+        worker.handlers["hoplite_reduce_replace"] = self.handle_reduce_replace
         self._orig_handle_stimulus = worker.handle_stimulus
         worker.handle_stimulus = self.handle_stimulus  # type: ignore[method-assign]
         trim = PeriodicCallback(self._trim_pool, 1000 * min(1.0, self.config.buffer_pool_idle))
@@ -210,6 +225,7 @@ class HopliteWorker(WorkerPlugin):
             ("hoplite_reduce_abort", self.handle_reduce_abort),
             ("hoplite_reduce_running", self.handle_reduce_running),
             ("hoplite_result", self.handle_result),
+            ("hoplite_reduce_replace", self.handle_reduce_replace),
         ]:
             if worker.handlers.get(name) == h:
                 del worker.handlers[name]
@@ -613,7 +629,7 @@ class HopliteWorker(WorkerPlugin):
             )
             self._count("bytes-sent", n)
             sent = self._sent.get(req.key)
-            if sent is not None and not sent.done() and n == buf.nbytes:
+            if sent is not None and not sent.done() and req.offset + n == buf.nbytes:
                 sent.set_result(None)
         except Exception as e:
             logger.info("hoplite stream of %r to %s ended: %s", req.key, comm.peer_address, e)
@@ -758,7 +774,9 @@ class HopliteWorker(WorkerPlugin):
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    async def run_node_until_sent(self, spec: ReduceSpec, slot: int, value: Any) -> None:
+    async def run_node_until_sent(
+        self, spec: ReduceSpec, slot: int, value: Any, offset: int = 0
+    ) -> None:
         """Run one non-root node and hold its partial result until the parent
         has streamed all of it.
 
@@ -770,7 +788,7 @@ class HopliteWorker(WorkerPlugin):
         key = spec.partial_key(slot)
         root = spec.addresses[spec.root]
         async with self._held_until_sent(key, alive=lambda: self._root_running(root, spec.rid)):
-            await run_node(self, spec, slot, value)
+            await run_node(self, spec, slot, value, offset)
 
     async def _root_running(self, root: str, rid: str) -> bool:
         """Whether worker ``root`` still runs reduction ``rid`` (no answer
@@ -819,8 +837,11 @@ class HopliteWorker(WorkerPlugin):
             if buf is not None:
                 self.store.discard_if(key, buf)
 
-    async def handle_reduce_node(self, spec: dict[str, Any], slot: int) -> dict[str, Any]:
-        """RPC ``hoplite_reduce_node``: run node ``slot`` of a reduce tree."""
+    async def handle_reduce_node(
+        self, spec: dict[str, Any], slot: int, offset: int = 0
+    ) -> dict[str, Any]:
+        """RPC ``hoplite_reduce_node``: run node ``slot`` of a reduce tree (from
+        byte ``offset``: a node replacing a dead one)."""
         w = self.worker
         assert w is not None
         s = ReduceSpec.from_msg(spec)
@@ -836,7 +857,7 @@ class HopliteWorker(WorkerPlugin):
             value = select_field(w.data[key], s.field, key)
         except ReduceInputError as e:
             return {"status": "error", "input_error": True, "message": str(e)}
-        task = asyncio.create_task(self.run_node_until_sent(s, slot, value))
+        task = asyncio.create_task(self.run_node_until_sent(s, slot, value, offset))
         try:
             with self._tracked(s.rid, task):
                 await task
@@ -903,7 +924,9 @@ class HopliteWorker(WorkerPlugin):
         failed: set[str] = set()  # workers that did not answer their node's call
         for attempt in range(self.config.max_resumes + 1):
             try:
+                t1 = time()
                 result = await self._reduce_once(spec, value)
+                logger.debug("reduction %s took %.2fs", spec.rid, time() - t1)
                 break
             except ReduceInputError:
                 raise
@@ -919,7 +942,18 @@ class HopliteWorker(WorkerPlugin):
                     e,
                 )
                 self._count("reduce-restarts")
+                t0 = time()
+                old_rid = spec.rid
                 spec = await self._relocated(spec, failed)
+                logger.info(
+                    "reduction %s restarts as %s: inputs located again in %.2fs",
+                    old_rid,
+                    spec.rid,
+                    time() - t0,
+                )
+                logger.debug(
+                    "reduction %s: parents %s, workers %s", spec.rid, spec.parent, spec.addresses
+                )
         if not spec.children(root):  # a single input: its buffer is the input itself
             result = result.copy()
         op.finish(result, len(spec.inputs))
@@ -992,63 +1026,112 @@ class HopliteWorker(WorkerPlugin):
         )
 
     async def _reduce_once(self, spec: ReduceSpec, value: Any) -> Any:
-        w = self.worker
-        assert w is not None
-
-        async def start(slot: int) -> None:
-            addr = spec.addresses[slot]
-            try:
-                reply = await w.rpc(addr).hoplite_reduce_node(spec=spec.to_msg(), slot=slot)
-            except Exception as e:
-                raise NodeFailed(
-                    f"node {slot} on {addr}: {type(e).__name__}: {e}", addr, unreachable=True
-                ) from e
-            if reply.get("status") != "OK":
-                if reply.get("input_error"):
-                    raise ReduceInputError(reply.get("message"))
-                raise NodeFailed(str(reply.get("message")), addr)
-
         # With allreduce copies, the first one streams the root's partial result
         # while it fills: hold it until that copy has all of it (and only then
         # finish a mean in place). Registered before the node runs, so that a
         # copy finishing early is not missed.
         async with self._held_until_sent(spec.partial_key(spec.root), hold=bool(spec.copies)):
-            return await self._run_root(spec, value, start)
+            return await self._run_root(spec, value)
 
-    async def _run_root(self, spec: ReduceSpec, value: Any, start: Any) -> Any:
+    async def _start_node(self, spec: ReduceSpec, slot: int, offset: int = 0) -> None:
+        """Run node ``slot`` of ``spec`` on its worker, until it is done."""
+        w = self.worker
+        assert w is not None
+        addr = spec.addresses[slot]
+        try:
+            reply = await w.rpc(addr).hoplite_reduce_node(
+                spec=spec.to_msg(), slot=slot, offset=offset
+            )
+        except Exception as e:
+            raise NodeFailed(
+                f"node {slot} on {addr}: {type(e).__name__}: {e}", addr, unreachable=True
+            ) from e
+        if reply.get("status") != "OK":
+            if reply.get("input_error"):
+                raise ReduceInputError(reply.get("message"))
+            raise NodeFailed(str(reply.get("message")), addr)
+
+    async def _run_root(self, spec: ReduceSpec, value: Any) -> Any:
         """Run the root node while starting the others; on the first failure
         (or when cancelled) abort everything and raise the clearest error.
+
+        A node whose worker died is not a failure yet: its parent asks for a
+        replacement (:meth:`handle_reduce_replace`), which joins the tree
+        where the dead node was. Only if none is asked for within a stall
+        timeout does the tree count as broken. (Plain reductions only: an
+        allreduce's copies and segments have their own fallback.)
 
         Once the root's own node has finished, every node's partial result has
         been streamed up the tree, so the nodes' replies are only waited for
         one stall timeout more (a node whose worker hangs after sending must
         not hold the result back)."""
         root = spec.root
-        nodes = [asyncio.create_task(start(i)) for i in range(len(spec.inputs)) if i != root]
+        repair = TreeRepair(
+            spec,
+            budget=self.config.max_resumes if not spec.copies and spec.segment is None else 0,
+            grace=self.config.stall_timeout,
+        )
+        slot_of: dict[asyncio.Task[Any], int] = {
+            asyncio.create_task(self._start_node(spec, i)): i
+            for i in range(len(spec.inputs))
+            if i != root
+        }
+        current = {i: t for t, i in slot_of.items()}  # the task running each node now
         own = asyncio.create_task(run_node(self, spec, root, value))
-        tasks: set[asyncio.Task[Any]] = {*nodes, own}
+        tasks: set[asyncio.Task[Any]] = {*slot_of, own}
         pending = set(tasks)
         failed: list[asyncio.Task[Any]] = []
+        joined: asyncio.Queue[tuple[int, asyncio.Task[Any]]] = asyncio.Queue()
         self._roots.add(spec.rid)
+        self._repairs[spec.rid] = _RootRepair(repair, current, joined)
         try:
             while pending and not failed:
                 own_ok = own.done() and not own.cancelled() and own.exception() is None
+                timeout = self.config.stall_timeout if own_ok else None
+                deadline = repair.next_deadline()
+                if deadline is not None:
+                    timeout = max(0.0, min(timeout or math.inf, deadline - time()))
+                wake: asyncio.Task[Any] = asyncio.create_task(joined.get())
                 done, pending = await asyncio.wait(
-                    pending,
-                    timeout=self.config.stall_timeout if own_ok else None,
-                    return_when=asyncio.FIRST_COMPLETED,
+                    pending | {wake}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
                 )
-                failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+                pending.discard(wake)
+                if wake.done():
+                    done.discard(wake)
+                    new_slot, new_task = wake.result()
+                    slot_of[new_task] = new_slot
+                    tasks.add(new_task)
+                    pending.add(new_task)
+                else:
+                    wake.cancel()
+                failed = []
+                for t in done:
+                    if t.cancelled() or t.exception() is None:
+                        continue
+                    e = t.exception()
+                    at = slot_of.get(t)
+                    if at is not None and current.get(at) is not t:
+                        continue  # a node replaced already
+                    if (
+                        at is not None
+                        and isinstance(e, NodeFailed)
+                        and e.unreachable
+                        and repair.refusal(at) is None
+                    ):
+                        repair.node_died(at, time())
+                        continue
+                    failed.append(t)
+                failed += [current[s] for s in repair.unrepaired(time())]
                 if own_ok and failed:
                     # The result was complete before this node's reply came:
                     # its failure (say, it hung up after sending) changes nothing.
                     logger.info(
                         "reduction %s: a node failed after the result: %s",
                         spec.rid,
-                        [t.exception() for t in failed],
+                        [t.exception() for t in failed if t.done() and not t.cancelled()],
                     )
                     failed = []
-                if not done and own_ok:
+                if not done and own_ok and not wake.done():
                     logger.info(
                         "reduction %s: %d node(s) did not confirm within %gs of the result",
                         spec.rid,
@@ -1058,15 +1141,136 @@ class HopliteWorker(WorkerPlugin):
                     _cancel_quietly(pending)
                     break
         except BaseException:  # cancelled from outside
-            self._abort_tree(spec, tasks)
+            repair.closed = True
+            self._abort_tree(repair.spec, tasks)
             raise
         finally:
+            repair.closed = True
             self._roots.discard(spec.rid)
+            self._repairs.pop(spec.rid, None)
         if failed:
-            self._abort_tree(spec, tasks)
-            errors = [t.exception() for t in failed]
-            raise next((e for e in errors if isinstance(e, ReduceInputError)), errors[0])  # type: ignore[misc]
+            self._abort_tree(repair.spec, tasks)
+            errors = [t.exception() if t.done() and not t.cancelled() else None for t in failed]
+            if not any(errors):
+                errors = [NodeFailed(f"a node of {spec.rid} died and was not replaced", "")]
+            raise next(
+                (e for e in errors if isinstance(e, ReduceInputError)),
+                next(e for e in errors if e is not None),
+            )
+        if repair.used:
+            self._count("reduce-repairs", repair.used)
         return await self._deserialize(own.result())
+
+    async def handle_reduce_replace(
+        self, rid: str, slot: int, offset: int, dead: str
+    ) -> dict[str, Any]:
+        """RPC ``hoplite_reduce_replace``, to the root of reduction ``rid``:
+        node ``slot`` on worker ``dead`` broke its parent's stream at byte
+        ``offset``. Start a replacement where its input is (waiting while
+        Dask recomputes it) and return that worker's address; refuse if the
+        node failed otherwise than by its worker dying."""
+        state = self._repairs.get(rid)
+        if state is None:
+            return {"status": "error", "message": f"reduction {rid} is not running here"}
+        repair, current, joined = state.repair, state.current, state.joined
+        why = repair.refusal(slot)
+        if why is None:
+            # Its node's own call tells a dead worker (the call breaks) from a
+            # node that failed on its own (it answers): wait for it, briefly.
+            task = current.get(slot)
+            if task is not None:
+                await asyncio.wait({task}, timeout=self.config.stall_timeout)
+            if task is None or not task.done() or task.cancelled():
+                why = f"node {slot} on {dead} is not known to have died"
+            elif not (isinstance(e := task.exception(), NodeFailed) and e.unreachable):
+                why = f"node {slot} on {dead} failed: {e}"
+        if why is None:
+            why = repair.refusal(slot)  # the tree may have ended meanwhile
+        if why is not None:
+            logger.info("not replacing node %d of reduction %s: %s", slot, rid, why)
+            return {"status": "error", "message": why}
+        repair.begin(slot)
+        try:
+            address = await self._holder_of(repair.spec.inputs[slot], avoid=dead)
+        except Exception as e:
+            repair.abandon(slot)
+            return {"status": "error", "message": f"{type(e).__name__}: {e}"}
+        if repair.closed:
+            repair.abandon(slot)
+            return {"status": "error", "message": f"reduction {rid} is no longer running"}
+        spec = repair.replaced(slot, address)
+        task = asyncio.create_task(self._start_node(spec, slot, offset))
+        current[slot] = task
+        joined.put_nowait((slot, task))
+        logger.info(
+            "reduction %s: node %d on %s died; replaced on %s from byte %d",
+            rid,
+            slot,
+            dead,
+            address,
+            offset,
+        )
+        return {"status": "OK", "address": address}
+
+    async def _holder_of(self, key: Key, avoid: str) -> str:
+        """A worker holding ``key`` other than ``avoid``, waiting while the
+        scheduler recomputes it (up to ``directory.queue-timeout`` without a
+        change of its state)."""
+        w = self.worker
+        assert w is not None
+        deadline = time() + self.config.queue_timeout
+        last: str | None = None
+        while True:
+            who_has = await w.scheduler.who_has(keys=[key])
+            holders = sorted(set(who_has.get(key) or ()) - {avoid})
+            if holders:
+                return holders[0]
+            state = (await w.scheduler.hoplite_key_states(keys=[key])).get(key)
+            if state in (None, "erred", "forgotten"):
+                raise RuntimeError(
+                    f"input {key!r} of the reduction was lost and cannot be recomputed "
+                    f"(scheduler state: {state or 'unknown'})"
+                )
+            if state != last:
+                last, deadline = state, time() + self.config.queue_timeout
+            elif time() > deadline:
+                raise RuntimeError(
+                    f"input {key!r} of the reduction is only on {avoid} and stayed "
+                    f"{state!r} for {self.config.queue_timeout:g}s"
+                )
+            await asyncio.sleep(0.05)
+
+    async def replace_child(
+        self, spec: ReduceSpec, slot: int, offset: int, dead: str, error: Exception
+    ) -> str:
+        """Ask the root of ``spec`` for a replacement of child node ``slot``
+        whose stream broke (``error``) at byte ``offset``; its new address.
+        Raises ``error`` if the root refuses."""
+        w = self.worker
+        assert w is not None
+        root = spec.addresses[spec.root]
+        logger.info(
+            "child %d of reduction %s on %s broke at byte %d (%s: %s); asking the root",
+            slot,
+            spec.rid,
+            dead,
+            offset,
+            type(error).__name__,
+            error,
+        )
+        try:
+            reply = await asyncio.wait_for(
+                w.rpc(root).hoplite_reduce_replace(
+                    rid=spec.rid, slot=slot, offset=offset, dead=dead
+                ),
+                self.config.queue_timeout + 2 * self.config.stall_timeout,
+            )
+        except Exception as e:
+            raise error from e
+        if reply.get("status") != "OK":
+            raise error
+        self._count("reduce-children-replaced")
+        return str(reply["address"])
 
     def _abort_tree(self, spec: ReduceSpec, tasks: set[asyncio.Task[Any]]) -> None:
         """Stop every node and copy of reduction ``spec`` (this worker's

@@ -1,7 +1,7 @@
 """Workers killed in the middle of a collective, on an emulated cluster (real
 processes, real rate-limited network, SIGKILL): broadcasts resume from the
 byte they reached, a lost source is recomputed and its partial copies
-resume, a reduction restarts around a dead participant. Needs root and
+resume, a reduction replaces a dead participant inside its running tree. Needs root and
 iproute2 (CI has both); skipped elsewhere."""
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def test_a_lost_source_is_recomputed_and_partial_copies_resume(ec):
 def test_a_reduction_survives_a_dead_participant(ec):
     o = run_one(ec, "reduce", "hoplite", SIZE, kill=True, env=ENV)
     assert o.ok, o
+    # the dead node was replaced inside the running tree, which was not restarted
+    assert o.tree_repairs == 1 and o.tree_restarts == 0, o
 
 
 @pytest.mark.timeout(300)
