@@ -1148,6 +1148,10 @@ class HopliteWorker(WorkerPlugin):
             repair.closed = True
             self._roots.discard(spec.rid)
             self._repairs.pop(spec.rid, None)
+            while not joined.empty():  # a replacement started after the loop's last look
+                _, late = joined.get_nowait()  # is of no use any more
+                tasks.add(late)
+                _cancel_quietly([late])
         if failed:
             self._abort_tree(repair.spec, tasks)
             errors = [t.exception() if t.done() and not t.cancelled() else None for t in failed]
