@@ -989,13 +989,7 @@ class HopliteWorker(WorkerPlugin):
                 await asyncio.sleep(0.1)
                 continue
             states = await w.scheduler.hoplite_key_states(keys=missing)
-            for key in missing:
-                state = states.get(key)
-                if state in (None, "erred", "forgotten"):
-                    raise RuntimeError(
-                        f"input {key!r} of the reduction was lost and cannot be recomputed "
-                        f"(scheduler state: {state or 'unknown'})"
-                    )
+            _raise_if_gone_for_good({k: states.get(k) for k in missing})
             if states != last:
                 last, deadline = states, time() + self.config.queue_timeout
             elif time() > deadline:
@@ -1230,11 +1224,7 @@ class HopliteWorker(WorkerPlugin):
             if holders:
                 return holders[0]
             state = (await w.scheduler.hoplite_key_states(keys=[key])).get(key)
-            if state in (None, "erred", "forgotten"):
-                raise RuntimeError(
-                    f"input {key!r} of the reduction was lost and cannot be recomputed "
-                    f"(scheduler state: {state or 'unknown'})"
-                )
+            _raise_if_gone_for_good({key: state})
             if state != last:
                 last, deadline = state, time() + self.config.queue_timeout
             elif time() > deadline:
@@ -1586,6 +1576,17 @@ class HopliteWorker(WorkerPlugin):
             result = await self._deserialize(buf)
         resolve_op(spec.op).finish(result, len(spec.inputs))
         return result
+
+
+def _raise_if_gone_for_good(states: dict[Key, str | None]) -> None:
+    """Raise if a lost input cannot come back: the scheduler's state of it is
+    erred, forgotten or unknown (anything else is a recomputation under way)."""
+    for key, state in states.items():
+        if state in (None, "erred", "forgotten"):
+            raise RuntimeError(
+                f"input {key!r} of the reduction was lost and cannot be recomputed "
+                f"(scheduler state: {state or 'unknown'})"
+            )
 
 
 def _cancel_quietly(tasks: Iterable[asyncio.Task[Any]]) -> None:

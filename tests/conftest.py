@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import dask
 import pytest
 from distributed import Client, LocalCluster
@@ -9,11 +11,11 @@ from distributed import Client, LocalCluster
 import dask_hoplite as dh
 
 
-@pytest.fixture(scope="module")
-def client():
-    """A 3-worker in-process cluster over TCP with the plugin registered, shared
-    by one module's tests (sync API)."""
+@contextlib.contextmanager
+def three_workers(config: dict | None = None):
+    """A 3-worker in-process cluster over TCP with the plugin registered."""
     with (
+        dask.config.set(config or {}),
         LocalCluster(
             n_workers=3,
             threads_per_worker=1,
@@ -26,6 +28,20 @@ def client():
         c.wait_for_workers(3, timeout=30)
         c.register_plugin(dh.Hoplite())
         assert len(c.scheduler_info(n_workers=-1)["workers"]) == 3
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client():
+    """:func:`three_workers`, shared by one module's tests (sync API)."""
+    with three_workers() as c:
+        yield c
+
+
+@pytest.fixture
+def client_without_stealing():
+    """:func:`three_workers` where Dask never moves a task to an idle worker."""
+    with three_workers({"distributed.scheduler.work-stealing": False}) as c:
         yield c
 
 

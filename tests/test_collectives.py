@@ -10,7 +10,7 @@ import time
 import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -283,40 +283,29 @@ def hoplite_stats(dask_worker):
     return dict(dask_worker.plugins["hoplite-worker"].stats)
 
 
-def test_small_allreduce_copies_wait_for_a_busy_root():
+def test_small_allreduce_copies_wait_for_a_busy_root(client_without_stealing):
     """The copies of a small allreduce start with the reduction and get its
     result from the root's worker when it exists, even when the root runs
     long after a stall timeout (its worker's only thread is busy): no copy
     gives up and reduces the inputs itself. (Work stealing is off so that the
     root stays behind the busy thread.)"""
-    with (
-        dask.config.set({"distributed.scheduler.work-stealing": False}),
-        LocalCluster(
-            n_workers=3,
-            threads_per_worker=1,
-            processes=False,
-            protocol="tcp",
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        client.register_plugin(dh.Hoplite())
-        ws = workers(client)
-        futures = [client.submit(np.full, 10, float(i + 1), workers=[w]) for i, w in enumerate(ws)]
-        wait(futures)
-        client.run(set_stall_timeout, seconds=0.3)
-        blocker = client.submit(time.sleep, 1.5, workers=[ws[0]], pure=False)
-        while client.processing(ws[0])[ws[0]] == ():
-            time.sleep(0.01)
-        parts = dh.allreduce(futures, "sum")
-        results = client.gather(parts)
-        assert blocker.done()  # the root ran after the blocker
-        assert len(results) == 3
-        for r in results:
-            np.testing.assert_array_equal(r, np.full(10, 6.0))
-        assert list(client.who_has(parts[0])[parts[0].key]) == [ws[0]]
-        assert {w for p in parts for w in client.who_has(p)[p.key]} == set(ws)
-        stats = client.run(hoplite_stats)
-        pulled = sum(s.get("results-pulled", 0) for s in stats.values())
-        fallbacks = sum(s.get("allreduce-fallbacks", 0) for s in stats.values())
-        assert (pulled, fallbacks) == (2, 0)
+    client = client_without_stealing
+    ws = workers(client)
+    futures = [client.submit(np.full, 10, float(i + 1), workers=[w]) for i, w in enumerate(ws)]
+    wait(futures)
+    client.run(set_stall_timeout, seconds=0.3)
+    blocker = client.submit(time.sleep, 1.5, workers=[ws[0]], pure=False)
+    while client.processing(ws[0])[ws[0]] == ():
+        time.sleep(0.01)
+    parts = dh.allreduce(futures, "sum")
+    results = client.gather(parts)
+    assert blocker.done()  # the root ran after the blocker
+    assert len(results) == 3
+    for r in results:
+        np.testing.assert_array_equal(r, np.full(10, 6.0))
+    assert list(client.who_has(parts[0])[parts[0].key]) == [ws[0]]
+    assert {w for p in parts for w in client.who_has(p)[p.key]} == set(ws)
+    stats = client.run(hoplite_stats)
+    pulled = sum(s.get("results-pulled", 0) for s in stats.values())
+    fallbacks = sum(s.get("allreduce-fallbacks", 0) for s in stats.values())
+    assert (pulled, fallbacks) == (2, 0)
