@@ -185,8 +185,7 @@ async def _reduce_async(
     setattr(result, _INPUTS_ATTR, keys)
     # Keep the inputs alive until the reduction is done (only the root's input
     # is a Dask dependency of the result; the others stream from their holders).
-    keepalive = list(chosen)
-    result.add_done_callback(lambda _: keepalive.clear())
+    _keep_until_done(chosen, [result])
     return [result] + [
         client.submit(
             _allreduce_copy,
@@ -218,6 +217,23 @@ async def _locate(
         network_estimate(client.scheduler),
     )
     return who_has, nbytes, estimate
+
+
+def _keep_until_done(keep: list[Future], futures: list[Future]) -> None:
+    """Hold the futures ``keep`` (so Dask keeps their keys) until every one
+    of ``futures`` is done: those tasks read them outside Dask's graph."""
+    held = list(keep)
+    remaining = set(range(len(futures)))
+
+    def done(j: int) -> None:
+        remaining.discard(j)
+        if not remaining:
+            held.clear()
+
+    if not futures:
+        return
+    for j, f in enumerate(futures):
+        f.add_done_callback(lambda _, j=j: done(j))
 
 
 def _allreduce_part(value: Any, specs: list[dict[str, Any]], i: int) -> Any:
@@ -290,16 +306,7 @@ def _allreduce_segmented(
         )
         for i, wi in enumerate(distinct)
     ]
-    keepalive = list(chosen)
-    remaining = set(range(m))
-
-    def done(i: int) -> None:
-        remaining.discard(i)
-        if not remaining:
-            keepalive.clear()
-
-    for j, part in enumerate(parts):
-        part.add_done_callback(lambda _, j=j: done(j))
+    _keep_until_done(chosen, parts)
     setattr(parts[0], _INPUTS_ATTR, [f.key for f in chosen])
     return parts
 
@@ -378,16 +385,7 @@ def _allreduce_small(
             )
         )
     # The result and the inputs stay while a copy may still want them.
-    keepalive: list[Future] = [result, *chosen]
-    remaining = set(range(len(copies)))
-
-    def done(j: int) -> None:
-        remaining.discard(j)
-        if not remaining:
-            keepalive.clear()
-
-    for j, c in enumerate(copies):
-        c.add_done_callback(lambda _, j=j: done(j))
+    _keep_until_done([result, *chosen], copies)
     setattr(result, _INPUTS_ATTR, keys)
     return [result, *copies]
 
