@@ -33,8 +33,8 @@ def test_receivers_below_a_dead_relay_resume_from_the_byte_they_reached(ec):
     o = run_one(ec, "broadcast-relay", "hoplite", SIZE, kill=True, env=ENV)
     assert o.ok, o
     assert o.resumes >= 1 and o.restarts == 0, o
-    # resumed, not restarted: well under the time of two whole copies
-    assert o.time < 2 * o.bound, o
+    # resumed, not restarted: the receivers kept the bytes they had
+    assert o.bytes_resumed > 0, o
 
 
 @pytest.mark.timeout(300)
@@ -59,4 +59,4 @@ def test_retiring_a_relay_mid_broadcast_loses_nothing_and_does_not_restart(ec):
     o = run_one(ec, "broadcast-retire", "hoplite", SIZE, kill=True, env=ENV)
     assert o.ok, o  # every consumer, the retired worker's included (run elsewhere)
     assert o.resumes >= 1 and o.restarts == 0, o
-    assert o.time < 2 * o.bound, o
+    assert o.bytes_resumed > 0, o  # the cut receivers kept the bytes they had
