@@ -88,13 +88,18 @@ def _on_worker_plugin(method: str, *args: Any) -> Any:
     input recomputed, possibly on this very worker, while it waits."""
     w = get_worker()
     secede()
+    return sync(w.loop, getattr(_worker_part(w), method), *args)
+
+
+def _worker_part(w: Any) -> HopliteWorker:
+    """Worker ``w``'s hoplite part, or a clear error if it is not installed."""
     plugin = w.plugins.get("hoplite-worker")
     if not isinstance(plugin, HopliteWorker):
         raise RuntimeError(
             f"dask-hoplite's worker part is not installed on {w.address}: "
             "register dask_hoplite.Hoplite() first"
         )
-    return sync(w.loop, getattr(plugin, method), *args)
+    return plugin
 
 
 def _allreduce_copy(spec: dict[str, Any], j: int) -> Any:
@@ -222,6 +227,8 @@ async def _locate(
 def _keep_until_done(keep: list[Future], futures: list[Future]) -> None:
     """Hold the futures ``keep`` (so Dask keeps their keys) until every one
     of ``futures`` is done: those tasks read them outside Dask's graph."""
+    if not futures:
+        return
     held = list(keep)
     remaining = set(range(len(futures)))
 
@@ -230,8 +237,6 @@ def _keep_until_done(keep: list[Future], futures: list[Future]) -> None:
         if not remaining:
             held.clear()
 
-    if not futures:
-        return
     for j, f in enumerate(futures):
         f.add_done_callback(lambda _, j=j: done(j))
 
@@ -319,14 +324,7 @@ async def _small_copy(req: dict[str, Any]) -> Any:
     """The Dask task of a small allreduce's copy (runs on the copy's worker).
     A coroutine: Dask runs it on the worker's event loop, with no thread to
     hand over to and back, and cancels it when the copy is released."""
-    w = get_worker()
-    plugin = w.plugins.get("hoplite-worker")
-    if not isinstance(plugin, HopliteWorker):
-        raise RuntimeError(
-            f"dask-hoplite's worker part is not installed on {w.address}: "
-            "register dask_hoplite.Hoplite() first"
-        )
-    return await plugin.pull_result(
+    return await _worker_part(get_worker()).pull_result(
         req["result"], req["root"], req["op"], req["inputs"], req["key"]
     )
 

@@ -341,33 +341,36 @@ async def _combine_raw(job: _NodeJob) -> None:
             raise
         opened[c] = (addr, comm, stream)
 
-    async def resume_child(c: int, offset: int, error: Exception) -> None:
+    async def replace_child(c: int, offset: int, error: Exception) -> None:
         if isinstance(error, (ReduceInputError, LayoutMismatch)):
             raise error
         if c in opened:
             addr, comm, _ = opened.pop(c)
             drop(w.rpc, addr, comm)
         addresses[c] = await plugin.replace_child(spec, c, offset, addresses[c], error)
-        await open_child(c, offset)
+
+    async def stream_of(c: int, offset: int) -> tuple[str, Comm, IOStream]:
+        """Child ``c``'s open stream, from a replacement if it broke."""
+        while c not in opened:
+            try:
+                await open_child(c, offset)
+            except Exception as e:
+                await replace_child(c, offset, e)
+        return opened[c]
 
     async def read(c: int, into: memoryview, offset: int) -> None:
         while True:
+            _, comm, stream = await stream_of(c, offset)
             try:
-                if c not in opened:
-                    await open_child(c, offset)
-                _, comm, stream = opened[c]
                 await read_raw(stream, into, stall, comm.peer_address)
                 return
             except Exception as e:
-                await resume_child(c, offset, e)
+                await replace_child(c, offset, e)
 
     try:
         acc.start_at(job.offset)
         for c in children:
-            try:
-                await open_child(c, job.offset)
-            except Exception as e:
-                await resume_child(c, job.offset, e)
+            await stream_of(c, job.offset)
         scratch = [memoryview(bytearray(block)) for _ in children]
         for a in range(job.offset, total, block):
             b = min(total, a + block)

@@ -1448,7 +1448,7 @@ class HopliteWorker(WorkerPlugin):
         pause = 0.01
         while True:
             if holder is not None:
-                if holder == w.address or seceded:
+                if holder == w.address:  # the root may need this worker's slot
                     seceded = self._secede(me, seceded)
                 try:
                     reply = await asyncio.wait_for(

@@ -274,9 +274,7 @@ def test_broken_trees_give_their_connections_back(client):
 
 def set_stall_timeout(dask_worker, seconds):
     p = dask_worker.plugins["hoplite-worker"]
-    old = p.config.stall_timeout
     p.config = dataclasses.replace(p.config, stall_timeout=seconds)
-    return old
 
 
 def hoplite_stats(dask_worker):
