@@ -17,6 +17,7 @@ a block never spans two frames, so every block is one contiguous view.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import enum
 import hashlib
@@ -155,6 +156,12 @@ class BufferPool:
         self.capacity = capacity
         self._idle: list[mmap.mmap] = []
         self._since: dict[int, float] = {}  # id(region) -> when it became idle
+        # Regions whose handle died, not yet filed into ``_idle``. The
+        # finalizer only appends here (atomic, takes no lock): a handle can
+        # die in a garbage collection triggered by an allocation made while
+        # this very thread holds ``_lock``, and a finalizer that took the
+        # (non-reentrant) lock would then wait on itself for ever.
+        self._returned: collections.deque[tuple[mmap.mmap, float]] = collections.deque()
         self._lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
@@ -162,6 +169,7 @@ class BufferPool:
     @property
     def idle_bytes(self) -> int:
         with self._lock:
+            self._file_returned()
             return sum(len(r) for r in self._idle)
 
     def allocate(self, nbytes: int) -> np.ndarray:
@@ -171,6 +179,7 @@ class BufferPool:
         size = -(-nbytes // self.GRANULE) * self.GRANULE
         region = None
         with self._lock:
+            self._file_returned()
             fits = [i for i, r in enumerate(self._idle) if size <= len(r) <= size + size // 4]
             if fits:
                 region = self._idle.pop(min(fits, key=lambda i: len(self._idle[i])))
@@ -196,14 +205,27 @@ class BufferPool:
         return np.frombuffer(handle, dtype=np.uint8)  # type: ignore[call-overload]
 
     def _give_back(self, region: mmap.mmap) -> None:
-        with self._lock:
+        # Runs as a finalizer, possibly inside a locked section of this same
+        # thread: no lock here (see ``_returned``).
+        self._returned.append((region, time.monotonic()))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._file_returned()
+            finally:
+                self._lock.release()
+
+    def _file_returned(self) -> None:
+        """Move returned regions into the idle list and unmap the oldest idle
+        regions beyond ``capacity``. Called with ``_lock`` held."""
+        while self._returned:
+            region, since = self._returned.popleft()
             self._idle.append(region)
-            self._since[id(region)] = time.monotonic()
-            total = sum(len(r) for r in self._idle)
-            while self._idle and total > self.capacity:
-                old = self._idle.pop(0)  # oldest first
-                self._since.pop(id(old), None)
-                total -= len(old)
+            self._since[id(region)] = since
+        total = sum(len(r) for r in self._idle)
+        while self._idle and total > self.capacity:
+            old = self._idle.pop(0)  # oldest first
+            self._since.pop(id(old), None)
+            total -= len(old)
 
     def trim(self, max_idle: float, now: float | None = None) -> int:
         """Unmap regions idle for longer than ``max_idle`` seconds, so that a
@@ -212,6 +234,7 @@ class BufferPool:
         now = time.monotonic() if now is None else now
         freed = 0
         with self._lock:
+            self._file_returned()
             keep = []
             for r in self._idle:
                 if now - self._since.get(id(r), now) > max_idle:
@@ -224,6 +247,7 @@ class BufferPool:
 
     def clear(self) -> None:
         with self._lock:
+            self._returned.clear()
             self._idle.clear()
             self._since.clear()
 

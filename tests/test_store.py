@@ -255,3 +255,31 @@ def test_content_identity_tells_copies_of_one_object_from_another_object():
     assert relay.layout == same
     with pytest.raises(LayoutChanged, match="changed between senders"):
         relay.allocate(ObjectBuffer.from_frames("k", {}, [b]).layout)
+
+
+def test_pool_survives_a_region_returned_inside_its_own_lock():
+    """Found by the chaos test: a worker froze for minutes. A handle in a
+    reference cycle (an exception's traceback holding an array, say) dies in
+    whatever garbage collection comes next, and that may be one triggered by
+    an allocation in the pool's own bookkeeping, while this thread holds the
+    pool's lock. Returning the region then must not wait for that lock. The
+    test makes the handle die inside the lock directly, since where a
+    collection lands is up to the interpreter."""
+    import threading
+
+    pool = BufferPool(capacity=64 * 2**20)
+    returned = threading.Event()
+
+    def drop_inside_the_lock() -> None:
+        a = pool.allocate(2**21)
+        with pool._lock:
+            del a  # the finalizer runs here, in this thread
+        returned.set()
+
+    t = threading.Thread(target=drop_inside_the_lock, daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert returned.is_set(), "the pool deadlocked taking back a region inside its own lock"
+    assert pool.idle_bytes == 2**21  # filed at the next operation
+    b = pool.allocate(2**21)
+    assert pool.reused == 1 and b.size == 2**21
