@@ -17,7 +17,11 @@ The rules follow Hoplite (Zhuang et al., SIGCOMM 2021):
 * Idle complete copies are preferred; then the partial copy closest to a
   complete one (most bytes, by construction); a partial copy downstream of the
   requester is never chosen (it depends on the requester: deadlock).
-* With every holder saturated, the request queues until capacity frees.
+* With every holder saturated, the request queues until capacity frees; the
+  senders it gave up on stay excluded when it is served.
+* When Dask loses every complete copy (its holders died), the partial copies
+  keep streaming from one another and stay on record: the recomputed copy
+  and the receivers that come back join the tree that is still running.
 
 Copies are keyed by worker address, not host: Dask often runs several workers
 per host.
@@ -26,7 +30,6 @@ per host.
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -86,8 +89,9 @@ class ObjectRecord:
     incoming: dict[str, Transfer] = field(default_factory=dict)
     #: Active outgoing streams per sender address.
     uploads: dict[str, int] = field(default_factory=dict)
-    #: Receivers waiting for capacity, in arrival order.
-    queue: deque[str] = field(default_factory=deque)
+    #: Receivers waiting for capacity, in arrival order, each with the
+    #: senders it gave up on (which stay excluded when it is served later).
+    queue: dict[str, frozenset[str]] = field(default_factory=dict)
     #: Highest number of concurrent streams any single holder served.
     peak_uploads: int = 0
     #: Every (sender, receiver) edge this key travelled, for inspection.
@@ -143,10 +147,11 @@ class ObjectDirectory:
             # on that stream (it would report failure first in the normal case).
             self._end_transfer(rec, existing)
         if receiver in rec.queue:
+            rec.queue[receiver] |= frozenset(exclude)
             return Queued(key, receiver)
         decision = self._assign(rec, receiver, frozenset(exclude))
         if isinstance(decision, Queued):
-            rec.queue.append(receiver)
+            rec.queue[receiver] = frozenset(exclude)
         elif isinstance(decision, Missing) and not rec.incoming and not rec.complete:
             del self.objects[key]
         return decision
@@ -160,13 +165,15 @@ class ObjectDirectory:
         self._end_transfer(rec, t)
         if ok:
             rec.complete.add(t.receiver)
-        return self._drain(rec)
+        decisions = self._drain(rec)
+        self._maybe_drop(rec)
+        return decisions
 
     def cancel_request(self, key: Key, receiver: str) -> None:
         """A queued receiver stopped waiting (timeout, or it went away)."""
         rec = self.objects.get(key)
         if rec is not None and receiver in rec.queue:
-            rec.queue.remove(receiver)
+            del rec.queue[receiver]
             self._maybe_drop(rec)
 
     def copy_added(self, key: Key, address: str) -> list[Decision]:
@@ -195,14 +202,31 @@ class ObjectDirectory:
         for rec in list(self.objects.values()):
             rec.complete.discard(address)
             rec.holders.discard(address)
-            if address in rec.queue:
-                rec.queue.remove(address)
+            rec.queue.pop(address, None)
             for t in list(rec.incoming.values()):
                 if address in (t.sender, t.receiver):
                     self._end_transfer(rec, t)
             decisions.extend(self._drain(rec))
             self._maybe_drop(rec)
         return decisions
+
+    def lost(self, key: Key) -> list[Decision]:
+        """Dask lost every complete copy of ``key`` (their workers died) and
+        recomputes it. The partial copies streaming from one another keep
+        streaming: they stay on record, so that the recomputed copy and the
+        receivers that come back find a tree that is still running, and no
+        relay is given a second receiver it cannot serve at full speed.
+        Queued receivers are released to Dask's path, which waits for the
+        recomputation."""
+        rec = self.objects.get(key)
+        if rec is None:
+            return []
+        rec.complete.clear()
+        rec.holders.clear()
+        out: list[Decision] = [Missing(key, r) for r in rec.queue]
+        rec.queue.clear()
+        self._maybe_drop(rec)
+        return out
 
     def forget(self, key: Key) -> list[Decision]:
         """Dask released ``key`` everywhere: drop everything about it."""
@@ -299,12 +323,13 @@ class ObjectDirectory:
     def _drain(self, rec: ObjectRecord) -> list[Decision]:
         """Serve queued receivers now that something changed."""
         out: list[Decision] = []
-        while rec.queue:
-            receiver = rec.queue[0]
-            decision = self._assign(rec, receiver)
+        for receiver, exclude in list(rec.queue.items()):
+            # In arrival order; one that must still wait (every sender it may
+            # take is busy or excluded) does not hold up those behind it.
+            decision = self._assign(rec, receiver, exclude)
             if isinstance(decision, Queued):
-                break
-            rec.queue.popleft()
+                continue
+            del rec.queue[receiver]
             out.append(decision)
         return out
 

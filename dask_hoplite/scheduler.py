@@ -178,7 +178,14 @@ class Hoplite(SchedulerPlugin):
     def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.directory is None:
             return
-        if finish in ("released", "forgotten", "erred"):
+        if finish == "released":
+            # Lost (its holders died: a recomputation follows, and the
+            # partial copies keep streaming) or released by its clients (then
+            # "forgotten" follows at once).
+            if key in self.directory.objects:
+                logger.debug("%r went %s -> released: no complete copy left", key, start)
+            self._act(self.directory.lost(key))
+        elif finish in ("forgotten", "erred"):
             self._act(self.directory.forget(key))
         elif finish == "memory" and isinstance(kwargs.get("worker"), str):
             self._act(self.directory.copy_added(key, kwargs["worker"]))
@@ -256,6 +263,7 @@ class Hoplite(SchedulerPlugin):
             finally:
                 if self._waiting.get((key, receiver)) is fut:
                     del self._waiting[(key, receiver)]
+        logger.debug("%s asks for %r (excluding %s): %s", receiver, key, exclude, decision)
         msg = _decision_msg(decision, nbytes)
         if isinstance(decision, Missing):
             msg["gone"] = not self._in_memory(key)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_hoplite.directory import Assign, Missing, ObjectDirectory, Queued
+from dask_hoplite.directory import Assign, Missing, ObjectDirectory, ObjectRecord, Queued
 
 K = "x"
 
@@ -93,6 +93,50 @@ def test_forget_drops_everything_and_releases_waiters():
     assert len(d) == 0 and not d.transfers
 
 
+def test_a_lost_key_keeps_its_running_chain_and_the_recomputed_copy_joins_it():
+    """The only complete copy dies mid-broadcast: src -> a -> b -> c -> d.
+    a's stream breaks; b, c and d keep streaming from the partial copies
+    above them. The recomputed copy serves a, and a newcomer attaches at the
+    tail: no relay is given a second receiver (fanout 1)."""
+    d = ObjectDirectory(fanout=1)
+    for r in "abcd":
+        d.request(K, r, holders=["src"])  # src -> a -> b -> c -> d
+    d.worker_removed("src")  # a's stream is cut
+    assert d.lost(K) == []
+    assert list(d.upstream(K, "d")) == ["c", "b", "a"]  # still on record
+    assert d.copy_added(K, "new") == []  # Dask recomputed the key on "new"
+    a = d.request(K, "a", holders=["new"], exclude=["src"])
+    assert (a.sender, a.receiver) == ("new", "a")
+    e = d.request(K, "e", holders=["new"])
+    assert (e.sender, e.receiver) == ("d", "e")  # not a, which already feeds b
+    assert set(d.objects[K].uploads.values()) == {1}
+
+
+def test_a_lost_key_releases_its_queue_and_goes_once_its_streams_end():
+    d = ObjectDirectory(fanout=1)
+    d.request(K, "a", holders=["src"])
+    b = d.request(K, "b", holders=["src"])  # a -> b
+    d.worker_removed("src")
+    assert d.request(K, "a", holders=[]) == Queued(K, "a")  # only b, a descendant
+    assert d.lost(K) == [Missing(K, "a")]
+    assert K in d.objects  # b still streams from a
+    d.transfer_finished(b.transfer_id, ok=False)
+    assert len(d) == 0 and not d.transfers
+
+
+def test_a_queued_receiver_is_never_served_by_a_sender_it_gave_up_on():
+    d = ObjectDirectory(fanout=1)
+    a = d.request(K, "a", holders=["s1", "s2"])  # s1 -> a
+    # b gave up on s2 and on a (stalled): s1 is busy, so b waits.
+    assert d.request(K, "b", holders=["s1", "s2"], exclude=["s2", "a"]) == Queued(K, "b")
+    # Something changes: s2 is idle, but b gave it up.
+    assert d.copy_released(K, "nobody") == []
+    assert "b" in d.objects[K].queue
+    # s1 frees: b is served by it, still not by s2 or a.
+    out = d.transfer_finished(a.transfer_id, ok=True)
+    assert [(o.sender, o.receiver) for o in out] == [("s1", "b")]
+
+
 def test_released_copies_and_finished_transfers_leave_no_entry():
     d = ObjectDirectory(fanout=1)
     for i in range(4):
@@ -124,12 +168,19 @@ workers = st.sampled_from([f"w{i}" for i in range(6)])
 keys = st.sampled_from(["k1", "k2"])
 events = st.lists(
     st.one_of(
-        st.tuples(st.just("request"), keys, workers, st.sets(workers, max_size=2)),
+        st.tuples(
+            st.just("request"),
+            keys,
+            workers,
+            st.sets(workers, max_size=2),
+            st.sets(workers, max_size=2),
+        ),
         st.tuples(st.just("finish"), st.integers(0, 30), st.booleans()),
         st.tuples(st.just("release"), keys, workers),
         st.tuples(st.just("add"), keys, workers),
         st.tuples(st.just("remove"), workers),
         st.tuples(st.just("forget"), keys),
+        st.tuples(st.just("lost"), keys),
         st.tuples(st.just("cancel"), keys, workers),
     ),
     max_size=60,
@@ -161,29 +212,46 @@ def check_invariants(d: ObjectDirectory) -> None:
 @given(fanout=st.integers(1, 3), evs=events)
 def test_invariants_hold_under_any_event_sequence(fanout, evs):
     d = ObjectDirectory(fanout=fanout)
+    excluded: dict[tuple[str, str], set[str]] = {}  # what each waiting receiver gave up on
+
+    def check(decisions) -> None:
+        for out in decisions:
+            if isinstance(out, Assign):
+                assert out.sender != out.receiver
+                assert out.receiver not in d.upstream(out.key, out.sender)
+                # never a sender the receiver gave up on, even served from the queue
+                assert out.sender not in excluded.get((out.key, out.receiver), set())
+
     for ev in evs:
         kind = ev[0]
         if kind == "request":
-            _, key, w, holders = ev
-            out = d.request(key, w, holders)
-            if isinstance(out, Assign):
-                assert out.sender != w
-                assert w not in d.upstream(key, out.sender)
+            _, key, w, holders, exclude = ev
+            if w not in d.objects.get(key, ObjectRecord(key)).queue:
+                excluded[(key, w)] = set()
+            excluded[(key, w)] |= exclude
+            check([d.request(key, w, holders, exclude)])
         elif kind == "finish":
             ids = sorted(d.transfers)
             if ids:
-                d.transfer_finished(ids[ev[1] % len(ids)], ev[2])
+                check(d.transfer_finished(ids[ev[1] % len(ids)], ev[2]))
         elif kind == "add":
-            d.copy_added(ev[1], ev[2])
+            check(d.copy_added(ev[1], ev[2]))
         elif kind == "release":
-            d.copy_released(ev[1], ev[2])
+            check(d.copy_released(ev[1], ev[2]))
         elif kind == "remove":
-            d.worker_removed(ev[1])
+            check(d.worker_removed(ev[1]))
             for rec in d.objects.values():
                 assert all(ev[1] not in (t.sender, t.receiver) for t in rec.incoming.values())
         elif kind == "forget":
             d.forget(ev[1])
             assert ev[1] not in d.objects
+        elif kind == "lost":
+            running = {t.transfer_id for t in d.transfers.values() if t.key == ev[1]}
+            d.lost(ev[1])
+            rec = d.objects.get(ev[1])
+            # the streams between partial copies stay on record, nothing else
+            assert running == {t.transfer_id for t in d.transfers.values() if t.key == ev[1]}
+            assert rec is None or not (rec.complete or rec.holders or rec.queue)
         elif kind == "cancel":
             d.cancel_request(ev[1], ev[2])
         check_invariants(d)
