@@ -127,6 +127,7 @@ if method == "hoplite":
     out["bytes_resumed"] = sum(s.get("bytes-resumed", 0) for s in stats.values())
     out["tree_repairs"] = sum(s.get("reduce-repairs", 0) for s in stats.values())
     out["tree_restarts"] = sum(s.get("reduce-restarts", 0) for s in stats.values())
+    out["adopted"] = sum(s.get("partial-copies-adopted", 0) for s in stats.values())
 print(json.dumps(out), flush=True)
 """
 
@@ -149,6 +150,7 @@ class Outcome:
     bytes_resumed: int = 0  # bytes receivers already had when their stream resumed
     tree_repairs: int = 0  # reduce-tree nodes replaced where they died (tree kept)
     tree_restarts: int = 0  # reduce trees restarted from scratch
+    adopted: int = 0  # partial copies completed by a recomputation on their worker
 
     @property
     def x_bound(self) -> float:
@@ -239,6 +241,7 @@ def run_one(
         int(out.get("bytes_resumed", 0)),
         int(out.get("tree_repairs", 0)),
         int(out.get("tree_restarts", 0)),
+        int(out.get("adopted", 0)),
     )
 
 

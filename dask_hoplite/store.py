@@ -351,6 +351,34 @@ class ObjectBuffer:
         if offset:
             self.advance(offset)
 
+    def adopt(self, source: ObjectBuffer) -> None:
+        """Complete this partial copy with the bytes of ``source``, a complete
+        copy of the same object made here (the task was recomputed on this
+        worker while its bytes were still arriving): readers carry on from the
+        byte they reached, now reading ``source``'s frames (no copy); the
+        bytes received so far go back to the pool when no reader holds them.
+        Raises :class:`LayoutChanged` if ``source`` is another object."""
+        if self.state is not BufferState.RECEIVING or self.layout is None:
+            raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
+        # Same frame sizes and content identity; the headers are not compared:
+        # ours came over the wire (msgpack turns tuples into lists).
+        if (
+            source.state is not BufferState.COMPLETE
+            or source.layout is None
+            or not self.layout.identity
+            or (source.layout.lengths, source.layout.identity)
+            != (self.layout.lengths, self.layout.identity)
+        ):
+            raise LayoutChanged(
+                f"{self.key!r} was recomputed here as another object "
+                f"(identity {source.layout.identity if source.layout else '?'} != "
+                f"{self.layout.identity or '?'})"
+            )
+        self._frames = list(source._frames)
+        self._array = None
+        self.progress = self.layout.nbytes
+        self._complete()
+
     def advance(self, end: int) -> int:
         """Bytes up to ``end`` were written in place; wake readers."""
         if self.state is not BufferState.RECEIVING or self._array is None:

@@ -271,10 +271,50 @@ class HopliteWorker(WorkerPlugin):
         elif finish == "memory":
             self._forget_orphan(key)
             buf = self.store.get(key)
-            if buf is not None and buf.state is not BufferState.COMPLETE:
-                # Dask's own path delivered the key while a partial copy of
-                # ours waited to be resumed: drop it (our receivers resume
-                # from a complete copy).
+            if buf is None or buf.state is BufferState.COMPLETE:
+                return
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if (
+                loop is not None
+                and buf.state is BufferState.RECEIVING
+                and key not in self._fetching
+                and self.worker is not None
+                and key in self.worker.data
+            ):
+                # The key was computed here (a lost key recomputed) or came by
+                # Dask's own path while a partial copy of ours waited to be
+                # resumed: complete that copy from the value, so that the
+                # receivers streaming from it carry on.
+                task = loop.create_task(self._adopt_local(key, buf))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            else:
+                self.store.release(key)
+                self._send({"op": "hoplite-released", "key": key})
+
+    async def _adopt_local(self, key: Key, buf: ObjectBuffer) -> None:
+        """Complete the partial copy ``buf`` of ``key`` with the value in this
+        worker's memory; if the value is another object (a non-deterministic
+        task recomputed), drop the copy: its readers restart elsewhere."""
+        w = self.worker
+        assert w is not None
+        try:
+            if key not in w.data:
+                raise KeyError(f"{key!r} left memory before it was adopted")
+            header, frames = await offload(
+                serialize, w.data[key], serializers=("dask", "pickle"), on_error="raise"
+            )
+            if self.store.get(key) is not buf or buf.state is not BufferState.RECEIVING:
+                return  # released or completed meanwhile
+            buf.adopt(ObjectBuffer.from_frames(key, header, frames))
+            self._count("partial-copies-adopted")
+            logger.debug("%r: partial copy completed from the value computed here", key)
+        except Exception as e:
+            logger.info("%r: partial copy not completed from the local value (%s)", key, e)
+            if self.store.get(key) is buf:
                 self.store.release(key)
                 self._send({"op": "hoplite-released", "key": key})
 

@@ -283,3 +283,28 @@ def test_pool_survives_a_region_returned_inside_its_own_lock():
     assert pool.idle_bytes == 2**21  # filed at the next operation
     b = pool.allocate(2**21)
     assert pool.reused == 1 and b.size == 2**21
+
+
+def test_partial_copy_adopts_a_local_recomputation_and_its_readers_carry_on():
+    """A key is lost mid-stream and recomputed on a worker whose partial copy
+    serves a relay: that copy completes from the local value, and a reader
+    waiting for the next bytes gets them without a break."""
+    a = np.arange(500_000, dtype="f8")
+    source = ObjectBuffer.from_frames("k", {"x": 1}, [a])
+    buf = ObjectBuffer("k", BufferPool(capacity=64 * 2**20))
+    buf.allocate(source.layout)
+    half = source.nbytes // 2
+    buf.write(0, source.view(0, half))
+    woken = []
+    buf.when(half, woken.append)  # a reader waiting for byte `half`
+    # recomputed alike; its header is the original's before msgpack made lists of tuples
+    buf.adopt(ObjectBuffer.from_frames("k", {"x": (1,)}, [a.copy()]))
+    assert woken == [buf] and buf.state is BufferState.COMPLETE
+    assert bytes(buf.view(half, source.nbytes)) == bytes(source.view(half, source.nbytes))
+    # A recomputation that is another object is refused.
+    other = ObjectBuffer("k")
+    other.allocate(source.layout)
+    other.write(0, source.view(0, half))
+    with pytest.raises(LayoutChanged, match="another object"):
+        other.adopt(ObjectBuffer.from_frames("k", {"x": 1}, [a + 1]))
+    assert other.state is BufferState.RECEIVING and other.progress == half
