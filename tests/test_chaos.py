@@ -107,6 +107,26 @@ def digest(x: np.ndarray) -> tuple[int, float]:
     return int(x.size), float(np.asarray(x)[:: max(1, x.size // 4096)].sum())
 
 
+def tolerate_unknown_removals(cluster: LocalCluster) -> None:
+    """The cluster object's watcher of the scheduler's worker events raises
+    KeyError on a "remove" for an address it does not list (distributed's
+    ``SpecCluster._update_worker_status``, cf. dask/distributed#5407), which
+    ends the watcher, and the error resurfaces when the cluster closes (seen
+    once in CI, at the teardown of this module's cluster, after every test
+    had passed). Workers killed or stopped here at random moments, a
+    registering one included, can be reported removed without having been
+    reported added, or twice; such a removal changes nothing the cluster
+    object tracks, so it is skipped."""
+    update = cluster._update_worker_status
+
+    def guarded(op: str, msg: object) -> None:
+        if op == "remove" and msg not in cluster.scheduler_info["workers"]:
+            return
+        update(op, msg)
+
+    cluster._update_worker_status = guarded  # type: ignore[method-assign]
+
+
 @pytest.fixture(scope="module")
 def client():
     cfg = {
@@ -128,6 +148,7 @@ def client():
         ) as cluster,
         Client(cluster) as c,
     ):
+        tolerate_unknown_removals(cluster)
         c.register_plugin(dh.Hoplite())
         yield c
 
