@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask_hoplite.compat import worker_addresses
+
 logger = logging.getLogger(__name__)
 
 
@@ -298,7 +300,7 @@ class EmulatedCluster:
     def worker_addresses(self, client: Any) -> list[str]:
         """The Dask worker addresses in host order: element i runs on host ``w{i}``."""
         host_of = {h.address: role for role, h in self.hosts.items()}
-        addrs = client.scheduler_info(n_workers=-1)["workers"]
+        addrs = worker_addresses(client)
         by_role = {host_of[a.split("://")[-1].rsplit(":", 1)[0]]: a for a in addrs}
         return [by_role[f"w{i}"] for i in range(self.n_workers)]
 

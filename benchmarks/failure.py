@@ -51,6 +51,7 @@ CLIENT = r"""
 import json, sys, time
 import numpy as np
 from distributed import Client, wait
+from dask_hoplite.compat import worker_addresses
 
 addr, method, scenario, size, n, stagger, retire_after = sys.argv[1:8]
 size, n, stagger, retire_after = int(size), int(n), float(stagger), float(retire_after)
@@ -67,7 +68,7 @@ c.wait_for_workers(n, timeout=60)
 if method == "hoplite":
     import dask_hoplite
     c.register_plugin(dask_hoplite.Hoplite())
-ws = sorted(c.scheduler_info(n_workers=-1)["workers"], key=lambda a: HOSTS.index(a.split("//")[1].rsplit(":", 1)[0]))
+ws = sorted(worker_addresses(c), key=lambda a: HOSTS.index(a.split("//")[1].rsplit(":", 1)[0]))
 out = {}
 if scenario.startswith("broadcast"):
     t = time.perf_counter()

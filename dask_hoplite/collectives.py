@@ -32,6 +32,7 @@ from dask.base import is_dask_collection
 from distributed import Client, Future, as_completed, default_client, get_worker, secede
 from distributed.utils import sync
 
+from dask_hoplite.compat import worker_addresses
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.network_model import NetworkEstimate, network_estimate
 from dask_hoplite.planner import colocated_order, max_chain_length, plan_reduce_tree
@@ -419,7 +420,7 @@ def broadcast(future: Any, workers: Sequence[str] | None = None) -> list[Future]
     client = _client([future])
     [f] = _as_futures(client, [future])
     if workers is None:
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = worker_addresses(client)
     if not workers:
         raise ValueError("broadcast needs at least one worker")
     return [

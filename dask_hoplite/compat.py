@@ -5,9 +5,14 @@ The worker part overrides private internals of ``distributed``
 the Active Memory Manager's ``_find_dropper``, ``Scheduler.replicate``). They have
 been stable for years, but a release outside the tested range could change them
 silently, so the plugin refuses to start there instead of misbehaving.
+
+It also holds the workarounds for behaviour of the tested releases that
+dask-hoplite must not rely on (:func:`worker_addresses`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import distributed
 from packaging.version import Version
@@ -39,3 +44,13 @@ def check_distributed_version(version: str | None = None) -> None:
             f"runs distributed {version}. Install a tested release "
             f"(pip install 'distributed>={low},<{high}') or a dask-hoplite that supports {version}."
         )
+
+
+def worker_addresses(client: Any) -> list[str]:
+    """The addresses of the cluster's workers, sorted, asked of the scheduler.
+
+    Not ``client.scheduler_info(n_workers=-1)["workers"]``: in the tested
+    releases that call refreshes the client's cached identity and returns the
+    cache, which the client's periodic refresh (asking for no workers) can
+    overwrite in between, so a live cluster sometimes looks empty."""
+    return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])

@@ -29,6 +29,7 @@ from distributed import Client, LocalCluster, wait  # noqa: E402
 
 import dask_hoplite  # noqa: E402
 from benchmarks import emulation  # noqa: E402
+from dask_hoplite.compat import worker_addresses  # noqa: E402
 
 
 def make_weights(nbytes: int) -> np.ndarray:
@@ -46,7 +47,7 @@ def score(weights: np.ndarray, i: int) -> int:
 def workload(client: Client, size: int, use_hoplite: bool) -> tuple[float, list[int]]:
     if use_hoplite:
         client.register_plugin(dask_hoplite.Hoplite())
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = worker_addresses(client)
     w = client.submit(make_weights, size, workers=[workers[0]])
     wait(w)
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dask_hoplite as dh
+from dask_hoplite.compat import worker_addresses
 
 
 @contextlib.contextmanager
@@ -27,7 +28,7 @@ def three_workers(config: dict | None = None):
     ):
         c.wait_for_workers(3, timeout=30)
         c.register_plugin(dh.Hoplite())
-        assert len(c.scheduler_info(n_workers=-1)["workers"]) == 3
+        assert len(worker_addresses(c)) == 3
         yield c
 
 

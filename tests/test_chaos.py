@@ -23,6 +23,7 @@ import pytest
 from distributed import Client, LocalCluster, wait
 
 import dask_hoplite as dh
+from dask_hoplite.compat import worker_addresses
 
 KILLS = int(os.environ.get("HOPLITE_CHAOS_KILLS", "50"))
 STOPS = int(os.environ.get("HOPLITE_CHAOS_STOPS", "20"))
@@ -154,7 +155,7 @@ def client():
 
 
 def workers(client: Client) -> list[str]:
-    return sorted(client.scheduler_info(n_workers=-1)["workers"])
+    return worker_addresses(client)
 
 
 def settle(client: Client) -> None:

@@ -15,12 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dask_hoplite as dh
+from dask_hoplite.compat import worker_addresses
 from dask_hoplite.reduce_ops import reference, resolve_op
 from dask_hoplite.reduction import ReduceInputError
 
 
 def workers(client):
-    return sorted(client.scheduler_info(n_workers=-1)["workers"])
+    return worker_addresses(client)
 
 
 def scatter(client, arrays):

@@ -29,9 +29,10 @@ def test_emulated_cluster_runs_hoplite_and_tears_down():
 import numpy as np
 from distributed import Client, wait
 import dask_hoplite
+from dask_hoplite.compat import worker_addresses
 c = Client(ADDR)
 c.register_plugin(dask_hoplite.Hoplite())
-ws = sorted(c.scheduler_info(n_workers=-1)["workers"])
+ws = worker_addresses(c)
 x = c.submit(np.arange, 2_000_000, workers=[ws[0]])
 wait(x)
 got = c.gather([c.submit(lambda a, i: int(a.sum()), x, i, workers=[w], pure=False)

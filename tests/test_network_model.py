@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from distributed import wait
 
+from dask_hoplite.compat import worker_addresses
 from dask_hoplite.network_model import (
     FALLBACK_BANDWIDTH,
     FALLBACK_LATENCY,
@@ -59,7 +60,7 @@ def test_a_slow_network_makes_shorter_chains():
 
 
 def test_the_scheduler_learns_from_hoplite_streams(client):
-    w = sorted(client.scheduler_info()["workers"])
+    w = worker_addresses(client)
     x = client.submit(np.ones, 2 * MIN_SAMPLE_BYTES // 8, workers=[w[0]], pure=False)
     wait(x)
     y = client.submit(np.sum, x, workers=[w[1]], pure=False)

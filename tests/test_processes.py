@@ -11,6 +11,7 @@ import pytest
 from distributed import Client, LocalCluster, wait
 
 from dask_hoplite import Hoplite
+from dask_hoplite.compat import worker_addresses
 
 
 def fingerprint(x, i=0):
@@ -195,7 +196,7 @@ def test_small_allreduce_survives_the_death_of_its_roots_worker():
         Client(cluster) as c,
     ):
         c.register_plugin(Hoplite())
-        ws = sorted(c.scheduler_info(n_workers=-1)["workers"])
+        ws = worker_addresses(c)
         futures = [
             c.submit(np.full, 10, float(i + 1), workers=[w], allow_other_workers=True)
             for i, w in enumerate(ws)
