@@ -216,7 +216,10 @@ class BufferPool:
 
     def _file_returned(self) -> None:
         """Move returned regions into the idle list and unmap the oldest idle
-        regions beyond ``capacity``. Called with ``_lock`` held."""
+        regions beyond ``capacity``. Called with ``_lock`` held; only filing
+        adds idle regions, so with nothing returned there is nothing to do."""
+        if not self._returned:
+            return
         while self._returned:
             region, since = self._returned.popleft()
             self._idle.append(region)

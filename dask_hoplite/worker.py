@@ -292,8 +292,7 @@ class HopliteWorker(WorkerPlugin):
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
             else:
-                self.store.release(key)
-                self._send({"op": "hoplite-released", "key": key})
+                self._drop_copy(key)
 
     async def _adopt_local(self, key: Key, buf: ObjectBuffer) -> None:
         """Complete the partial copy ``buf`` of ``key`` with the value in this
@@ -304,9 +303,7 @@ class HopliteWorker(WorkerPlugin):
         try:
             if key not in w.data:
                 raise KeyError(f"{key!r} left memory before it was adopted")
-            header, frames = await offload(
-                serialize, w.data[key], serializers=("dask", "pickle"), on_error="raise"
-            )
+            header, frames = await self._serialize(w.data[key])
             if self.store.get(key) is not buf or buf.state is not BufferState.RECEIVING:
                 return  # released or completed meanwhile
             buf.adopt(ObjectBuffer.from_frames(key, header, frames))
@@ -315,8 +312,12 @@ class HopliteWorker(WorkerPlugin):
         except Exception as e:
             logger.info("%r: partial copy not completed from the local value (%s)", key, e)
             if self.store.get(key) is buf:
-                self.store.release(key)
-                self._send({"op": "hoplite-released", "key": key})
+                self._drop_copy(key)
+
+    def _drop_copy(self, key: Key) -> None:
+        """Drop our copy of ``key`` (its readers fail over) and tell the directory."""
+        self.store.release(key)
+        self._send({"op": "hoplite-released", "key": key})
 
     def _keep_for_resume(self, key: Key, buf: ObjectBuffer) -> None:
         """Keep the partial copy ``buf`` of a key Dask released here for
@@ -378,6 +379,11 @@ class HopliteWorker(WorkerPlugin):
         assert self.worker is not None
         ts = self.worker.state.tasks.get(key)
         return ts is not None and (ts.nbytes or 0) >= self.config.min_bytes
+
+    async def _serialize(self, value: Any) -> tuple[dict[str, Any], list[Any]]:
+        """``value`` as hoplite serves it: header and frames (zero-copy for
+        numpy arrays), serialised off the event loop."""
+        return await offload(serialize, value, serializers=("dask", "pickle"), on_error="raise")
 
     async def _deserialize(self, buf: ObjectBuffer) -> Any:
         assert buf.layout is not None
@@ -629,10 +635,7 @@ class HopliteWorker(WorkerPlugin):
             return self.store.get(key)
         if key not in w.data:
             return None
-        value = w.data[key]
-        header, frames = await offload(
-            serialize, value, serializers=("dask", "pickle"), on_error="raise"
-        )
+        header, frames = await self._serialize(w.data[key])
         return self.store.add_source(key, header, frames)
 
     async def handle_stream(self, comm: Comm, **msg: Any) -> Status:
