@@ -14,7 +14,7 @@ Results are ordinary futures. Inputs may be futures, or Delayed objects and
 Dask collections (computed first). With an asynchronous client, ``await`` them.
 
 ``reduce`` runs a pipelined reduce tree (:mod:`dask_hoplite.reduction`) shaped by
-:mod:`dask_hoplite.planner`; the others ride on hoplite's pipelined transfers
+:mod:`dask_hoplite.core.planner`; the others ride on hoplite's pipelined transfers
 of large keys (the plugin must be registered for those to be pipelined).
 """
 
@@ -34,10 +34,11 @@ from distributed.utils import sync
 
 from dask_hoplite.compat import worker_addresses
 from dask_hoplite.config import HopliteConfig
-from dask_hoplite.network_model import NetworkEstimate, network_estimate
-from dask_hoplite.planner import colocated_order, max_chain_length, plan_reduce_tree
-from dask_hoplite.reduce_ops import resolve_op
-from dask_hoplite.reduction import ReduceSpec, reduce_values
+from dask_hoplite.core.network_model import NetworkEstimate
+from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
+from dask_hoplite.core.reduce_ops import resolve_op
+from dask_hoplite.core.reduce_spec import ReduceSpec, reduce_values
+from dask_hoplite.scheduler_queries import network_estimate
 from dask_hoplite.worker import HopliteWorker
 
 logger = logging.getLogger(__name__)

@@ -12,17 +12,17 @@ dask-hoplite must not rely on (:func:`worker_addresses`).
 
 from __future__ import annotations
 
+__all__ = ["UnsupportedDistributed", "check_distributed_version", "worker_addresses"]
+
 from typing import Any
 
 import distributed
 from packaging.version import Version
 
+from dask_hoplite.errors import UnsupportedDistributed
+
 #: Inclusive lower and exclusive upper bound of the tested releases.
 TESTED_RANGE = (Version("2026.8.0"), Version("2026.9.0"))
-
-
-class UnsupportedDistributed(RuntimeError):
-    """The installed ``distributed`` is outside the tested range."""
 
 
 def installed_distributed_version() -> str:

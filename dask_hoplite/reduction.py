@@ -1,6 +1,6 @@
 """Pipelined reduce trees on the workers.
 
-Every node of the tree (planned by :mod:`dask_hoplite.planner`) holds one input.
+Every node of the tree (planned by :mod:`dask_hoplite.core.planner`) holds one input.
 It opens a block stream from each child's *partial result*, combines its own
 operand with them block by block, in place, as the blocks land, and exposes its
 own partial result as a buffer in the worker's block store, which its parent
@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from dask.typing import Key
 from distributed.comm.core import Comm
 from distributed.protocol import serialize
 from tornado.iostream import IOStream
 
-from dask_hoplite.protocol import ProtocolError, StreamRequest
-from dask_hoplite.reduce_ops import ReduceOp, reference, resolve_op
-from dask_hoplite.store import Layout, ObjectBuffer
+from dask_hoplite.core.protocol import StreamRequest
+from dask_hoplite.core.reduce_ops import ReduceOp, resolve_op
+from dask_hoplite.core.reduce_spec import ReduceSpec, check_input
+from dask_hoplite.core.store import Layout, ObjectBuffer
+from dask_hoplite.errors import LayoutMismatch, ProtocolError, ReduceInputError
 from dask_hoplite.streams import (
     connect,
     drop,
@@ -47,160 +47,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PARTIAL = "hoplite-reduce"
-
-
-class ReduceInputError(ValueError):
-    """An input of a reduction does not fit the others (shape or dtype) or is
-    not an array."""
-
-
-class LayoutMismatch(ProtocolError):
-    """A child of a reduce node streams another size or mode than the tree's."""
-
-
-@dataclass(frozen=True)
-class ReduceSpec:
-    """Everything a node needs to know; travels as a msgpack-able dict."""
-
-    rid: str
-    op: str
-    inputs: tuple[Key, ...]  # by slot
-    addresses: tuple[str, ...]  # by slot: the worker holding that input
-    parent: tuple[int | None, ...]  # by slot
-    shape: tuple[int, ...]
-    dtype: str  # the inputs' dtype
-    block_bytes: int
-    #: allreduce: workers that receive the result as it is being reduced, in
-    #: chain order (the first streams the root's partial result, each next one
-    #: streams the copy before it).
-    copies: tuple[str, ...] = ()
-    #: Inputs are dicts of arrays (e.g. the per-chunk results of a dask.array
-    #: mean): reduce this entry of each.
-    field: str | None = None
-    #: Reduce only segment ``i`` of ``m`` equal parts of the flattened inputs
-    #: (a segmented allreduce); ``shape`` stays the inputs' full shape.
-    segment: tuple[int, int] | None = None
-
-    def to_msg(self) -> dict[str, Any]:
-        return {
-            "rid": self.rid,
-            "op": self.op,
-            "inputs": list(self.inputs),
-            "addresses": list(self.addresses),
-            "parent": list(self.parent),
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "block_bytes": self.block_bytes,
-            "copies": list(self.copies),
-            "field": self.field,
-            "segment": list(self.segment) if self.segment is not None else None,
-        }
-
-    @classmethod
-    def from_msg(cls, m: dict[str, Any]) -> ReduceSpec:
-        return cls(
-            m["rid"],
-            m["op"],
-            tuple(m["inputs"]),
-            tuple(m["addresses"]),
-            tuple(m["parent"]),
-            tuple(m["shape"]),
-            m["dtype"],
-            int(m["block_bytes"]),
-            tuple(m.get("copies") or ()),
-            m.get("field"),
-            tuple(m["segment"]) if m.get("segment") is not None else None,
-        )
-
-    def bounds(self) -> tuple[int, int]:
-        """The element range [lo, hi) of the flattened inputs this tree reduces."""
-        n = math.prod(self.shape)
-        if self.segment is None:
-            return 0, n
-        i, m = self.segment
-        return n * i // m, n * (i + 1) // m
-
-    def node_shape(self) -> tuple[int, ...]:
-        """The shape of every node's partial result."""
-        if self.segment is None:
-            return tuple(self.shape)
-        lo, hi = self.bounds()
-        return (hi - lo,)
-
-    def children(self, slot: int) -> list[int]:
-        return [i for i, p in enumerate(self.parent) if p == slot]
-
-    @property
-    def root(self) -> int:
-        return self.parent.index(None)
-
-    def partial_key(self, slot: int) -> tuple[str, str, int]:
-        return (PARTIAL, self.rid, slot)
-
-    def copy_key(self, j: int) -> tuple[str, str, int]:
-        """Key of allreduce copy ``j`` (negative slots: never a tree node)."""
-        return (PARTIAL, self.rid, -1 - j)
-
-    def copy_source(self, j: int) -> tuple[str, tuple[str, str, int]]:
-        """Where copy ``j`` streams from: the root's partial result, or copy j-1."""
-        if j == 0:
-            return self.addresses[self.root], self.partial_key(self.root)
-        return self.copies[j - 1], self.copy_key(j - 1)
-
-
-def is_partial_key(key: object) -> bool:
-    return isinstance(key, tuple) and len(key) == 3 and key[0] == PARTIAL
-
 
 def result_layout(shape: tuple[int, ...], dtype: np.dtype) -> Layout:
     header, frames = serialize(np.empty(shape, dtype=dtype), serializers=("dask",))
     return Layout(header, tuple(memoryview(f).nbytes for f in frames))
-
-
-def select_field(value: Any, field: str | None, key: Key) -> Any:
-    """The operand of input ``key``: the value itself, or its entry ``field``."""
-    if field is None:
-        return value
-    if not isinstance(value, dict) or field not in value:
-        raise ReduceInputError(
-            f"input {key!r} of the reduction is a {type(value).__name__} without an entry {field!r}"
-        )
-    return value[field]
-
-
-def check_input(
-    value: Any, key: Key, like: tuple[Key, tuple[int, ...], Any] | None = None
-) -> np.ndarray:
-    """``value`` as a numpy array, or a :class:`ReduceInputError` naming ``key``
-    when it is not a numeric numpy array or, given ``like = (reference key,
-    shape, dtype)``, has another shape or dtype than that reference input."""
-    if isinstance(value, np.generic):  # Dask may hand 0-d arrays over as scalars
-        value = np.asarray(value)
-    if not isinstance(value, np.ndarray) or value.dtype.fields is not None:
-        raise ReduceInputError(
-            f"input {key!r} of the reduction is a "
-            f"{getattr(value, 'dtype', type(value).__name__)}; reductions take numpy "
-            "arrays of a numeric dtype"
-        )
-    if like is not None:
-        ref_key, shape, dtype = like
-        if value.shape != tuple(shape) or value.dtype != np.dtype(dtype):
-            raise ReduceInputError(
-                f"input {key!r} has shape {value.shape} and dtype {value.dtype}, but input "
-                f"{ref_key!r} has shape {tuple(shape)} and dtype {np.dtype(dtype)}: all "
-                "inputs of a reduction must have one shape and dtype"
-            )
-    return value
-
-
-def reduce_values(op: str, keys: list[Key], values: list[Any]) -> np.ndarray:
-    """The reduction of ``values`` (the inputs ``keys``) in one place, in the
-    order given: what small objects get instead of a tree."""
-    first = check_input(values[0], keys[0])
-    like = (keys[0], first.shape, first.dtype)
-    rest = [check_input(v, key, like) for key, v in zip(keys[1:], values[1:], strict=True)]
-    return reference(op, [first, *rest])
 
 
 def _operand(value: Any, spec: ReduceSpec, slot: int, rdt: np.dtype) -> np.ndarray:

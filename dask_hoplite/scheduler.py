@@ -1,5 +1,5 @@
 """The scheduler part: the :class:`Hoplite` plugin, a thin shell around the
-sans-IO :class:`~dask_hoplite.directory.ObjectDirectory`.
+sans-IO :class:`~dask_hoplite.core.directory.ObjectDirectory`.
 
 It adds the handlers workers use to ask for a sender and to report transfers,
 feeds Dask's own events (a key released, a worker removed) into the directory,
@@ -23,10 +23,10 @@ from distributed.protocol.pickle import dumps
 from dask_hoplite._version import __version__
 from dask_hoplite.compat import check_distributed_version
 from dask_hoplite.config import HopliteConfig
-from dask_hoplite.directory import Assign, Decision, Missing, ObjectDirectory, Queued
-from dask_hoplite.graph_reduce import rewrite_graph
-from dask_hoplite.network_model import NetworkModel
-from dask_hoplite.protocol import PROTOCOL_VERSION
+from dask_hoplite.core.directory import Assign, Decision, Missing, ObjectDirectory, Queued
+from dask_hoplite.core.graph_reduce import rewrite_graph
+from dask_hoplite.core.network_model import NetworkModel
+from dask_hoplite.core.protocol import PROTOCOL_VERSION
 from dask_hoplite.worker import PLUGIN_NAME as WORKER_PLUGIN_NAME
 from dask_hoplite.worker import HopliteWorker
 
@@ -198,7 +198,7 @@ class Hoplite(SchedulerPlugin):
         """The scheduler's entry point for a submitted graph (after all
         optimisation, before any task state exists), with the aggregates of
         dask.array reductions and dask.bag folds rewritten into pipelined
-        reductions (see :mod:`dask_hoplite.graph_reduce`)."""
+        reductions (see :mod:`dask_hoplite.core.graph_reduce`)."""
         original = self._originals["_create_taskstate_from_graph"]
         try:
             dsk, n = rewrite_graph(
@@ -318,7 +318,7 @@ class Hoplite(SchedulerPlugin):
 
     def handle_network(self) -> dict[str, Any]:
         """RPC ``hoplite_network``: the bandwidth and latency reduce trees are
-        planned with (see :mod:`dask_hoplite.network_model`)."""
+        planned with (see :mod:`dask_hoplite.core.network_model`)."""
         assert self.network is not None
         return self.network.estimate().to_msg()
 

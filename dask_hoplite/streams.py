@@ -1,5 +1,5 @@
 """Moving blocks over ``distributed.comm``: the sender and receiver loops of
-the block-stream protocol (:mod:`dask_hoplite.protocol`).
+the block-stream protocol (:mod:`dask_hoplite.core.protocol`).
 
 Comms come from the worker's own connection pool, so TLS, ``require_encryption``
 and other comm backends apply unchanged. Over TCP and TLS comms the payload
@@ -22,24 +22,20 @@ from distributed.core import ConnectionPool
 from distributed.protocol import to_serialize
 from tornado.iostream import IOStream
 
-from dask_hoplite.protocol import (
-    ProtocolError,
+from dask_hoplite.core.protocol import (
     SendWindow,
     StreamRequest,
     parse_ack,
     parse_block,
 )
-from dask_hoplite.store import BufferState, Layout, ObjectBuffer
+from dask_hoplite.core.store import BufferState, Layout, ObjectBuffer
+from dask_hoplite.errors import ProtocolError, StreamStalled
 
 logger = logging.getLogger(__name__)
 
 #: Largest single socket write in raw mode (the kernel chops it anyway; one
 #: await per chunk keeps the sender responsive to cancellation).
 RAW_WRITE_BYTES = 4 * 2**20
-
-
-class StreamStalled(TimeoutError):
-    """A peer made no progress for ``hoplite.stall-timeout``."""
 
 
 def raw_stream(comm: Comm) -> IOStream | None:

@@ -56,32 +56,38 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
-from dask_hoplite.graph_reduce import GraphReduce
-from dask_hoplite.network_model import network_estimate
-from dask_hoplite.planner import (
+from dask_hoplite.core.graph_reduce import GraphReduce
+from dask_hoplite.core.planner import (
     ReduceTree,
     colocated_order,
     max_chain_length,
     plan_reduce_tree,
 )
-from dask_hoplite.protocol import (
+from dask_hoplite.core.protocol import (
     PROTOCOL_VERSION,
     STREAM_OP,
-    ProtocolError,
     StreamRequest,
     error_reply,
 )
-from dask_hoplite.reduce_ops import resolve_op
-from dask_hoplite.reduction import (
-    ReduceInputError,
+from dask_hoplite.core.reduce_ops import resolve_op
+from dask_hoplite.core.reduce_spec import (
     ReduceSpec,
     check_input,
     is_partial_key,
     reduce_values,
-    run_node,
     select_field,
 )
-from dask_hoplite.store import BlockStore, BufferPool, BufferState, LayoutChanged, ObjectBuffer
+from dask_hoplite.core.store import BlockStore, BufferPool, BufferState, ObjectBuffer
+from dask_hoplite.core.tree_repair import TreeRepair
+from dask_hoplite.errors import (
+    LayoutChanged,
+    NodeFailed,
+    ProtocolError,
+    ReduceInputError,
+    VersionMismatch,
+)
+from dask_hoplite.reduction import run_node
+from dask_hoplite.scheduler_queries import network_estimate
 from dask_hoplite.streams import (
     connect,
     drop,
@@ -90,7 +96,6 @@ from dask_hoplite.streams import (
     send_stream,
     wait_progress,
 )
-from dask_hoplite.tree_repair import TreeRepair
 
 logger = logging.getLogger(__name__)
 
@@ -104,17 +109,6 @@ _RESTART = object()  # the sender holds another object: start over
 _TRIM_CALLBACK = "hoplite-pool-trim"
 
 
-class NodeFailed(RuntimeError):
-    """A node of a reduce tree failed (its worker died, stalled or refused)."""
-
-    def __init__(self, message: str, address: str, unreachable: bool = False) -> None:
-        super().__init__(message)
-        self.address = address
-        #: The node's worker did not answer at all (it is likely dead), as
-        #: opposed to answering with an error.
-        self.unreachable = unreachable
-
-
 @dataclasses.dataclass
 class _RootRepair:
     """What a root's worker keeps to replace a node of a running tree."""
@@ -124,10 +118,6 @@ class _RootRepair:
     current: dict[int, asyncio.Task[Any]]
     #: Replacement nodes started, for the root's loop to wait on.
     joined: asyncio.Queue[tuple[int, asyncio.Task[Any]]]
-
-
-class VersionMismatch(RuntimeError):
-    """The worker's dask-hoplite differs from the scheduler's."""
 
 
 class HopliteWorker(WorkerPlugin):
@@ -696,7 +686,7 @@ class HopliteWorker(WorkerPlugin):
 
     def handle_stimulus(self, *stims: StateMachineEvent) -> None:
         """Dask's ``Worker.handle_stimulus``, with the aggregate tasks of
-        dask.array reductions (see :mod:`dask_hoplite.graph_reduce`) taken over
+        dask.array reductions (see :mod:`dask_hoplite.core.graph_reduce`) taken over
         when their inputs are large: the task no longer depends on fetching the
         inputs here; it reduces them where they live."""
         self._orig_handle_stimulus(*(self._take_over_reduce(ev) for ev in stims))

@@ -11,7 +11,7 @@ from distributed import Worker, wait
 from distributed.utils_test import gen_cluster
 
 from dask_hoplite import Hoplite
-from dask_hoplite.protocol import STREAM_OP
+from dask_hoplite.core.protocol import STREAM_OP
 
 SMALL = {
     # Small thresholds so that tests move many objects quickly.

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import dask_hoplite as dh
 from dask_hoplite.compat import worker_addresses
-from dask_hoplite.reduce_ops import reference, resolve_op
-from dask_hoplite.reduction import ReduceInputError
+from dask_hoplite.core.reduce_ops import reference, resolve_op
+from dask_hoplite.errors import ReduceInputError
 
 
 def workers(client):

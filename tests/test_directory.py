@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_hoplite.directory import Assign, Missing, ObjectDirectory, ObjectRecord, Queued
+from dask_hoplite.core.directory import Assign, Missing, ObjectDirectory, ObjectRecord, Queued
 
 K = "x"
 

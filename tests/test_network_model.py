@@ -7,13 +7,13 @@ import pytest
 from distributed import wait
 
 from dask_hoplite.compat import worker_addresses
-from dask_hoplite.network_model import (
+from dask_hoplite.core.network_model import (
     FALLBACK_BANDWIDTH,
     FALLBACK_LATENCY,
     MIN_SAMPLE_BYTES,
     NetworkModel,
 )
-from dask_hoplite.planner import max_chain_length
+from dask_hoplite.core.planner import max_chain_length
 
 
 def test_fallbacks_until_measured():

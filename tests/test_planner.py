@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_hoplite.planner import colocated_order, max_chain_length, plan_reduce_tree
+from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
 
 
 def test_large_objects_give_one_chain():

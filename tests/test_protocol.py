@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dask_hoplite.protocol import (
+from dask_hoplite.core.protocol import (
     PROTOCOL_VERSION,
     ProtocolError,
     SendWindow,

@@ -10,7 +10,7 @@ from distributed.utils_test import gen_cluster
 
 import dask_hoplite.compat
 from dask_hoplite import Hoplite, HopliteWorker
-from dask_hoplite.protocol import PROTOCOL_VERSION, STREAM_OP
+from dask_hoplite.core.protocol import PROTOCOL_VERSION, STREAM_OP
 
 SMALL = {"hoplite.min-bytes": "64 KiB", "hoplite.min-block-bytes": "4 KiB"}
 

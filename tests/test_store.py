@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_hoplite.store import (
+from dask_hoplite.core.store import (
     BlockStore,
     BufferPool,
     BufferState,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dask_hoplite.reduction import ReduceSpec
-from dask_hoplite.tree_repair import TreeRepair
+from dask_hoplite.core.reduce_spec import ReduceSpec
+from dask_hoplite.core.tree_repair import TreeRepair
 
 
 def chain(n: int = 4) -> ReduceSpec:

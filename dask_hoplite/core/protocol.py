@@ -32,15 +32,13 @@ from typing import Any
 
 from dask.typing import Key
 
+from dask_hoplite.errors import ProtocolError
+
 #: Bumped on any incompatible change of the messages above or of the
 #: worker <-> scheduler directory messages. Peers with another value refuse.
 PROTOCOL_VERSION = 1
 
 STREAM_OP = "hoplite_stream"
-
-
-class ProtocolError(ValueError):
-    """A peer sent a message that does not follow the block-stream protocol."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The cluster's per-host bandwidth B and per-hop latency L, as measured.
 
 Reduce trees are shaped by Hoplite's rule ``k = S / (B * L)``
-(:func:`dask_hoplite.planner.max_chain_length`). The scheduler part keeps one
+(:func:`dask_hoplite.core.planner.max_chain_length`). The scheduler part keeps one
 :class:`NetworkModel`: every worker reports each hoplite stream it received
 (bytes, seconds from the sender's assignment to the last byte) and its own
 latency to the scheduler as Dask measures it on heartbeats. The estimates are
@@ -90,16 +90,3 @@ class NetworkModel:
             else:
                 lat = FALLBACK_LATENCY
         return NetworkEstimate(bw, lat, measured)
-
-
-async def network_estimate(scheduler: Any) -> NetworkEstimate:
-    """The scheduler part's estimate (``scheduler``: an RPC handle to it); the
-    configured values or the fallbacks if it cannot be asked."""
-    try:
-        return NetworkEstimate.from_msg(await scheduler.hoplite_network())
-    except Exception as e:  # the plugin is missing or the scheduler is unreachable
-        logger.debug("network estimate unavailable (%s); using configured values", e)
-        from dask_hoplite.config import HopliteConfig
-
-        cfg = HopliteConfig.from_dask_config()
-        return NetworkModel(cfg.reduce_bandwidth, cfg.reduce_latency).estimate()

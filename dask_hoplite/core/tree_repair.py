@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from dask_hoplite.reduction import ReduceSpec
+from dask_hoplite.core.reduce_spec import ReduceSpec
 
 
 @dataclass

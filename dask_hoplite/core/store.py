@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from dask.typing import Key  # noqa: E402
+from dask.typing import Key
+
+from dask_hoplite.errors import LayoutChanged
 
 
 class BufferState(enum.Enum):
@@ -42,11 +44,6 @@ class BufferState(enum.Enum):
 
 #: Bytes hashed at each end of an object for its identity.
 IDENTITY_BYTES = 64 * 1024
-
-
-class LayoutChanged(ValueError):
-    """A sender's copy is not the object a partially filled buffer holds the
-    beginning of (e.g. a non-deterministic task was recomputed)."""
 
 
 def content_identity(frames: Sequence[memoryview]) -> str:
