@@ -13,7 +13,7 @@
 Results are ordinary futures. Inputs may be futures, or Delayed objects and
 Dask collections (computed first). With an asynchronous client, ``await`` them.
 
-``reduce`` runs a pipelined reduce tree (:mod:`dask_hoplite.reduction`) shaped by
+``reduce`` runs a pipelined reduce tree (:mod:`dask_hoplite.worker.reduce_root`) shaped by
 :mod:`dask_hoplite.core.planner`; the others ride on hoplite's pipelined transfers
 of large keys (the plugin must be registered for those to be pipelined).
 """
@@ -29,8 +29,7 @@ from typing import Any
 
 import numpy as np
 from dask.base import is_dask_collection
-from distributed import Client, Future, as_completed, default_client, get_worker, secede
-from distributed.utils import sync
+from distributed import Client, Future, as_completed, default_client
 
 from dask_hoplite.compat import worker_addresses
 from dask_hoplite.config import HopliteConfig
@@ -39,7 +38,7 @@ from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_re
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_spec import ReduceSpec, reduce_values
 from dask_hoplite.scheduler_queries import network_estimate
-from dask_hoplite.worker import HopliteWorker
+from dask_hoplite.worker import tasks
 
 logger = logging.getLogger(__name__)
 
@@ -80,38 +79,6 @@ def _identity(x: Any) -> Any:
 
 def _as_list(*xs: Any) -> list[Any]:
     return list(xs)
-
-
-def _on_worker_plugin(method: str, *args: Any) -> Any:
-    """Run the worker part's coroutine ``method`` from a task's thread.
-
-    The task leaves the worker's thread pool first (``secede``): it only
-    waits for the event loop, and a reduction that lost an input needs that
-    input recomputed, possibly on this very worker, while it waits."""
-    w = get_worker()
-    secede()
-    return sync(w.loop, getattr(_worker_part(w), method), *args)
-
-
-def _worker_part(w: Any) -> HopliteWorker:
-    """Worker ``w``'s hoplite part, or a clear error if it is not installed."""
-    plugin = w.plugins.get("hoplite-worker")
-    if not isinstance(plugin, HopliteWorker):
-        raise RuntimeError(
-            f"dask-hoplite's worker part is not installed on {w.address}: "
-            "register dask_hoplite.Hoplite() first"
-        )
-    return plugin
-
-
-def _allreduce_copy(spec: dict[str, Any], j: int) -> Any:
-    """The Dask task of allreduce copy ``j`` (runs on that copy's worker)."""
-    return _on_worker_plugin("run_copy", spec, j)
-
-
-def _reduce_root(value: Any, spec: dict[str, Any]) -> Any:
-    """The Dask task of a reduction's root (runs on the root input's worker)."""
-    return _on_worker_plugin("run_root", value, spec)
 
 
 async def _reduce_async(
@@ -179,7 +146,7 @@ async def _reduce_async(
     if copies:
         spec = dataclasses.replace(spec, copies=tuple(sorted(set(addresses) - {addresses[root]})))
     result = client.submit(
-        _reduce_root,
+        tasks.reduce_root,
         chosen[root],
         spec.to_msg(),
         key=f"hoplite-reduce-{rop.name}-{spec.rid}",
@@ -195,7 +162,7 @@ async def _reduce_async(
     _keep_until_done(chosen, [result])
     return [result] + [
         client.submit(
-            _allreduce_copy,
+            tasks.allreduce_copy,
             spec.to_msg(),
             j,
             key=f"hoplite-allreduce-{rop.name}-{spec.rid}-{j}",
@@ -241,11 +208,6 @@ def _keep_until_done(keep: list[Future], futures: list[Future]) -> None:
 
     for j, f in enumerate(futures):
         f.add_done_callback(lambda _, j=j: done(j))
-
-
-def _allreduce_part(value: Any, specs: list[dict[str, Any]], i: int) -> Any:
-    """The Dask task of segmented allreduce part ``i`` (on the i-th worker)."""
-    return _on_worker_plugin("run_allreduce_part", value, specs, i)
 
 
 def _allreduce_segmented(
@@ -302,7 +264,7 @@ def _allreduce_segmented(
         roots.append(root_slot)
     parts = [
         client.submit(
-            _allreduce_part,
+            tasks.allreduce_part,
             chosen[roots[i]],
             specs,
             i,
@@ -320,15 +282,6 @@ def _allreduce_segmented(
 
 def _reduce_small_task(op: str, keys: list[Any], *arrays: Any) -> np.ndarray:
     return reduce_values(op, keys, list(arrays))
-
-
-async def _small_copy(req: dict[str, Any]) -> Any:
-    """The Dask task of a small allreduce's copy (runs on the copy's worker).
-    A coroutine: Dask runs it on the worker's event loop, with no thread to
-    hand over to and back, and cancels it when the copy is released."""
-    return await _worker_part(get_worker()).pull_result(
-        req["result"], req["root"], req["op"], req["inputs"], req["key"]
-    )
 
 
 def _reduce_small(
@@ -376,7 +329,7 @@ def _allreduce_small(
         req = {"result": result.key, "root": addresses[0], "op": op, "inputs": keys, "key": key}
         copies.append(
             client.submit(
-                _small_copy,
+                tasks.small_copy,
                 req,
                 key=key,
                 workers=[w],

@@ -8,8 +8,13 @@ of keys that Dask is recomputing from their lineage.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
+
+from dask.typing import Key
 
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.network_model import NetworkEstimate, NetworkModel
@@ -26,3 +31,51 @@ async def network_estimate(scheduler: Any) -> NetworkEstimate:
         logger.debug("network estimate unavailable (%s); using configured values", e)
         cfg = HopliteConfig.from_dask_config()
         return NetworkModel(cfg.reduce_bandwidth, cfg.reduce_latency).estimate()
+
+
+def raise_if_gone_for_good(states: dict[Key, str | None]) -> None:
+    """Raise if a lost input cannot come back: the scheduler's state of it is
+    erred, forgotten or unknown (anything else is a recomputation under way)."""
+    for key, state in states.items():
+        if state in (None, "erred", "forgotten"):
+            raise RuntimeError(
+                f"input {key!r} of the reduction was lost and cannot be recomputed "
+                f"(scheduler state: {state or 'unknown'})"
+            )
+
+
+async def wait_for_holders(
+    scheduler: Any,
+    keys: list[Key],
+    usable: Callable[[Key, list[str]], bool],
+    *,
+    queue_timeout: float,
+    poll: float,
+) -> dict[Key, list[str]]:
+    """The scheduler's ``who_has`` of ``keys`` as soon as every key has holders
+    that ``usable(key, holders)`` accepts.
+
+    A key without usable holders is typically lost and being recomputed by
+    Dask from its lineage (waiting, queued, processing...): wait for it, as
+    long as its scheduler state keeps changing within ``queue_timeout``. A
+    key that cannot come back (erred, forgotten, unknown) raises at once; one
+    whose state stays the same for ``queue_timeout`` raises too, naming it."""
+    deadline = time.monotonic() + queue_timeout
+    last: dict[Key, str | None] = {}
+    while True:
+        who_has = await scheduler.who_has(keys=keys)
+        pending = [k for k in keys if not usable(k, sorted(who_has.get(k) or ()))]
+        if not pending:
+            return {k: sorted(who_has.get(k) or ()) for k in keys}
+        states = await scheduler.hoplite_key_states(keys=pending)
+        raise_if_gone_for_good({k: states.get(k) for k in pending})
+        if states != last:
+            last, deadline = states, time.monotonic() + queue_timeout
+        elif time.monotonic() > deadline:
+            key = pending[0]
+            raise RuntimeError(
+                f"input {key!r} of the reduction has no usable holder "
+                f"(holders {sorted(who_has.get(key) or ())}, scheduler state "
+                f"{states.get(key)!r}) and nothing changed for {queue_timeout:g}s"
+            )
+        await asyncio.sleep(poll)

@@ -14,7 +14,9 @@ failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from distributed.comm.core import Comm
@@ -71,6 +73,45 @@ def drop(pool: ConnectionPool, addr: str, comm: Comm) -> None:
     forever."""
     comm.abort()
     pool.reuse(addr, comm)
+
+
+class PooledComm:
+    """A comm taken from a worker's connection pool (``worker.rpc``), given
+    back exactly once: for reuse after a stream ended at a message boundary,
+    aborted otherwise (see :func:`drop`)."""
+
+    def __init__(self, pool: ConnectionPool, addr: str, comm: Comm) -> None:
+        self.pool = pool
+        self.addr = addr
+        self.comm = comm
+        self.released = False
+
+    def release(self, reusable: bool) -> None:
+        if self.released:
+            return
+        self.released = True
+        if reusable:
+            self.pool.reuse(self.addr, self.comm)
+        else:
+            drop(self.pool, self.addr, self.comm)
+
+
+async def open_pooled(pool: ConnectionPool, addr: str, timeout: float) -> PooledComm:
+    """:func:`connect`, as a :class:`PooledComm` the caller must release."""
+    return PooledComm(pool, addr, await connect(pool, addr, timeout))
+
+
+@contextlib.asynccontextmanager
+async def pooled_comm(pool: ConnectionPool, addr: str, timeout: float) -> AsyncIterator[Comm]:
+    """A comm to ``addr`` for the body: reused when the body ends normally,
+    aborted when it raises (or is cancelled) mid-stream."""
+    pc = await open_pooled(pool, addr, timeout)
+    try:
+        yield pc.comm
+    except BaseException:
+        pc.release(False)
+        raise
+    pc.release(True)
 
 
 async def wait_progress(buf: ObjectBuffer, threshold: int, timeout: float) -> None:

@@ -262,7 +262,7 @@ async def test_a_received_buffer_can_be_deserialised_again_and_served_on(c, s, a
     plugin = b.plugins["hoplite-worker"]
     assert plugin.stats["keys-received"] == 1
     for _ in range(2):  # served from b's own buffer, twice
-        ok, again = await plugin.fetch(x.key)
+        ok, again = await plugin.parts.receiver.fetch(x.key)
         assert ok and _same(obj, again)
     assert plugin.stats["local-hits"] == 2
     assert _same(obj, got)

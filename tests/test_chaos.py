@@ -78,7 +78,7 @@ def diagnose(outs: list) -> str:
                 if k in dask_worker.state.tasks
             },
             "executing": sorted(str(t.key) for t in dask_worker.state.executing),
-            "roots": sorted(getattr(plugin, "_roots", ())),
+            "roots": sorted(plugin.parts.reductions.roots) if plugin and plugin.running else [],
             "store": len(plugin.store) if plugin else None,
             "recent": list(getattr(plugin, "recent", ()))[-5:],
             "pool": {

@@ -1,0 +1,160 @@
+"""The takeover of dask.array / dask.bag aggregate tasks on the worker.
+
+The scheduler part rewrites the aggregates of array reductions and bag folds
+into tasks whose function is a :class:`~dask_hoplite.core.graph_reduce.GraphReduce`
+(see that module). When such a task arrives here with large parts held
+elsewhere, :class:`AggregateTakeover` rewrites the ``ComputeTaskEvent`` before
+Dask's state machine sees it: the task no longer depends on fetching its parts
+here; it reduces them where they live with a reduce tree rooted on this
+worker, then runs the aggregate's own finishing step. On any failure of the
+tree the parts are fetched and Dask's own aggregate runs on them.
+
+It overrides ``Worker.handle_stimulus`` on the worker instance
+(:meth:`install` / :meth:`restore`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from dask._task_spec import Task
+from dask.typing import Key
+from distributed import Reschedule
+from distributed.worker import Worker
+from distributed.worker_state_machine import ComputeTaskEvent, StateMachineEvent
+
+from dask_hoplite.core.graph_reduce import GraphReduce
+from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, select_field
+from dask_hoplite.errors import ReduceInputError
+from dask_hoplite.worker.context import WorkerContext, run_on_loop
+from dask_hoplite.worker.reduce_root import ReduceRoots
+
+logger = logging.getLogger(__name__)
+
+FetchParts = Callable[[list[Key], dict[Key, list[str]]], Awaitable[list[Any]]]
+
+
+class AggregateTakeover:
+    """Runs rewritten array/bag aggregates as reduce trees over their parts."""
+
+    def __init__(self, ctx: WorkerContext, roots: ReduceRoots, fetch_parts: FetchParts) -> None:
+        self.ctx = ctx
+        self.roots = roots
+        self.fetch_parts = fetch_parts
+        self._original: Callable[..., None] | None = None
+
+    def install(self, worker: Worker) -> None:
+        self._original = worker.handle_stimulus
+        worker.handle_stimulus = self.handle_stimulus  # type: ignore[method-assign]
+
+    def restore(self, worker: Worker) -> None:
+        if worker.__dict__.get("handle_stimulus") == self.handle_stimulus:
+            del worker.handle_stimulus
+
+    def handle_stimulus(self, *stims: StateMachineEvent) -> None:
+        """Dask's ``Worker.handle_stimulus``, with the aggregate tasks taken
+        over when their inputs are large."""
+        assert self._original is not None
+        self._original(*(self._take_over(ev) for ev in stims))
+
+    def _take_over(self, ev: StateMachineEvent) -> StateMachineEvent:
+        if not isinstance(ev, ComputeTaskEvent) or self.ctx.closed:
+            return ev
+        spec = ev.run_spec
+        fn = getattr(spec, "func", None)
+        if not isinstance(spec, Task) or not isinstance(fn, GraphReduce):
+            return ev
+        keys = [a.key for a in spec.args]  # TaskRefs, in the order of the parts
+        me = self.ctx.address
+        if (
+            len(keys) < 2
+            or set(keys) != set(ev.who_has)
+            or max(ev.nbytes.values(), default=0) < self.ctx.config.min_bytes
+            or all(me in ev.who_has[k] for k in keys)
+        ):
+            return ev
+        who_has = {k: list(v) for k, v in ev.who_has.items()}
+        run = functools.partial(self._run, fn, keys, who_has, dict(ev.nbytes))
+        self.ctx.count("graph-reductions")
+        logger.debug("%r: reducing %d inputs where they live", ev.key, len(keys))
+        return dataclasses.replace(ev, who_has={}, nbytes={}, run_spec=Task(ev.key, run))
+
+    def _run(
+        self,
+        fn: GraphReduce,
+        keys: list[Key],
+        who_has: dict[Key, list[str]],
+        nbytes: dict[Key, int],
+    ) -> Any:
+        """The task this worker runs in place of an aggregate it took over:
+        a reduce tree over the parts where they live, then the aggregate's own
+        finishing step; on any failure of the tree, Dask's way (fetch the
+        parts here, run the aggregate)."""
+        w = self.ctx.worker
+        if self.ctx.closed:  # the plugin went away after the task arrived
+            raise Reschedule()
+        size = max(nbytes.values())
+        try:
+            combined = run_on_loop(w, self.reduce_parts, fn, keys, who_has, size)
+            return fn.finish(combined)
+        except ReduceInputError as e:
+            logger.info("%r: computing the aggregate on fetched inputs (%s)", fn, e)
+        except Exception as e:
+            logger.warning(
+                "%r: reduce tree failed (%s: %s); fetching the inputs", fn, type(e).__name__, e
+            )
+        self.ctx.count("graph-reduction-fallbacks")
+        values = run_on_loop(w, self.fetch_parts, keys, who_has, seceded=True)
+        return fn(*values)
+
+    async def reduce_parts(
+        self, fn: GraphReduce, keys: list[Key], who_has: dict[Key, list[str]], size: int
+    ) -> Any:
+        """Combine the parts ``keys`` elementwise with a reduce tree rooted
+        here; returns the combined part (a dict of arrays for dict parts).
+        Raises :class:`ReduceInputError` when the parts do not suit a tree (the
+        caller then runs Dask's own aggregate on fetched parts)."""
+        w = self.ctx.worker
+        me = w.address
+        addresses = [me if me in who_has[k] else sorted(who_has[k])[0] for k in keys]
+        local = [i for i, a in enumerate(addresses) if a == me]
+        if not local:
+            raise ReduceInputError("no input of the reduction is on this worker")
+        # A local part at the root's slot: its value is the root's operand.
+        plan, order = await self.roots.plan_rooted_at(len(keys), size, local[0], addresses)
+        inputs = tuple(keys[i] for i in order)
+        root_key = inputs[plan.root]
+        fields: tuple[str | None, ...] = fn.fields or (None,)
+        operands = []
+        for field in fields:
+            operand = check_input(select_field(w.data[root_key], field, root_key), root_key)
+            if not fn.accepts(operand.dtype):
+                raise ReduceInputError(f"{fn!r} does not combine {operand.dtype} parts")
+            if not fn.parts_fit(operand.shape):
+                raise ReduceInputError(f"input {root_key!r} has extent != 1 along the reduced axes")
+            operands.append(operand)
+        rid = uuid.uuid4().hex
+        specs = [
+            ReduceSpec(
+                rid=f"{rid}-{j}",
+                op=fn.op,
+                inputs=inputs,
+                addresses=tuple(addresses[i] for i in order),
+                parent=plan.parent,
+                shape=(),
+                dtype="",
+                block_bytes=self.ctx.config.block_bytes,
+                field=field,
+            )
+            for j, field in enumerate(fields)
+        ]
+        results = await asyncio.gather(
+            *(self.roots.run(v, sp.to_msg()) for v, sp in zip(operands, specs, strict=True))
+        )
+        return results[0] if fn.fields is None else dict(zip(fn.fields, results, strict=True))

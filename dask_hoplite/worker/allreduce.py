@@ -1,0 +1,238 @@
+"""Allreduce of large objects on the workers: chains of copies and segments.
+
+Two shapes, both planned by :mod:`dask_hoplite.collectives`:
+
+* one reduce tree whose result streams, while it is being reduced, through a
+  chain of *copies* (each copy streams the one before it; the first streams
+  the root's partial result);
+* a *segmented* allreduce: m concurrent reduce-then-copy pipelines, one per
+  segment of 1/m of the object, each rooted on another worker; every worker
+  runs the root of its segment, a copy of every other segment, then assembles
+  the whole result.
+
+A pipeline that breaks (a worker died or stalled) falls back to a plain,
+restartable reduction of all the inputs rooted on this worker
+(:meth:`Allreduce.reduce_anew`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+from dask.typing import Key
+
+from dask_hoplite.core.protocol import StreamRequest
+from dask_hoplite.core.reduce_ops import resolve_op
+from dask_hoplite.core.reduce_spec import ReduceSpec
+from dask_hoplite.core.store import ObjectBuffer
+from dask_hoplite.errors import ReduceInputError
+from dask_hoplite.streams import pooled_comm, raw_stream, receive_stream
+from dask_hoplite.worker.context import WorkerContext, cancel_quietly
+from dask_hoplite.worker.reduce_root import ReduceRoots
+from dask_hoplite.worker.reductions import RunningReductions
+
+logger = logging.getLogger(__name__)
+
+FetchParts = Callable[[list[Key], dict[Key, list[str]]], Awaitable[list[Any]]]
+
+
+class Allreduce:
+    """This worker's roots, segments and copies of large allreduces."""
+
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        reductions: RunningReductions,
+        roots: ReduceRoots,
+        fetch_parts: FetchParts,
+    ) -> None:
+        self.ctx = ctx
+        self.reductions = reductions
+        self.roots = roots
+        self.fetch_parts = fetch_parts
+
+    async def _or_reduce_anew(
+        self, what: str, attempt: Awaitable[Any], spec: ReduceSpec, slot: int, value: Any
+    ) -> Any:
+        """``attempt``'s result, or, if its pipeline broke, the whole
+        reduction of ``spec``'s inputs here (an input that does not fit is
+        final)."""
+        try:
+            return await attempt
+        except ReduceInputError:
+            raise
+        except Exception as e:
+            logger.warning(
+                "%s of %s broke (%s: %s); reducing all inputs here",
+                what,
+                spec.rid,
+                type(e).__name__,
+                e,
+            )
+            return await self.reduce_anew(spec, slot, value)
+
+    async def run_root(self, value: Any, spec_msg: dict[str, Any]) -> Any:
+        """The root of an allreduce with copies, as a Dask task."""
+        spec = ReduceSpec.from_msg(spec_msg)
+        if spec.addresses[spec.root] != self.ctx.address:
+            return await self.reduce_anew(spec, spec.root, value)  # its worker died
+        run = self.roots.run(value, spec_msg)
+        return await self._or_reduce_anew("allreduce root", run, spec, spec.root, value)
+
+    async def run_copy(self, spec_msg: dict[str, Any], j: int) -> Any:
+        """Allreduce copy ``j`` as a Dask task: :meth:`pull_copy`, or, if the
+        pipeline broke, the whole reduction here."""
+        spec = ReduceSpec.from_msg(spec_msg)
+        pull = self.pull_copy(spec_msg, j)
+        return await self._or_reduce_anew(f"allreduce copy {j}", pull, spec, spec.root, None)
+
+    async def run_part(self, value: Any, spec_msgs: list[dict[str, Any]], mine: int) -> Any:
+        """One worker's part of a segmented allreduce: the root of segment
+        ``mine`` (its reduce tree and the chain of copies streaming its result
+        run concurrently with everyone else's), a copy of every other segment,
+        then the whole result assembled from the segments."""
+        specs = [ReduceSpec.from_msg(m) for m in spec_msgs]
+        mine_spec = specs[mine]
+        if mine_spec.addresses[mine_spec.root] != self.ctx.address:
+            # Dask ran this part on another worker (its own died): the
+            # segments' pipelines are broken; reduce everything here.
+            return await self.reduce_anew(mine_spec, mine_spec.root, value)
+        run = self._segments(value, spec_msgs, specs, mine)
+        return await self._or_reduce_anew(
+            "segmented allreduce", run, mine_spec, mine_spec.root, value
+        )
+
+    async def _segments(
+        self, value: Any, spec_msgs: list[dict[str, Any]], specs: list[ReduceSpec], mine: int
+    ) -> Any:
+        me = self.ctx.address
+        tasks = [
+            asyncio.create_task(self.roots.run(value, spec_msgs[mine])),
+            *(
+                asyncio.create_task(self.pull_copy(spec_msgs[i], specs[i].copies.index(me)))
+                for i in range(len(specs))
+                if i != mine
+            ),
+        ]
+        try:
+            # The first failure ends the wait: the caller then reduces
+            # everything itself, and the other segments are no use any more.
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            cancel_quietly(tasks)
+        errors: list[BaseException] = []
+        for t in done:
+            if t.cancelled():
+                errors.append(RuntimeError("allreduce segment cancelled"))
+            elif (e := t.exception()) is not None:
+                errors.append(e)
+        if errors or pending:
+            raise next(
+                (e for e in errors if isinstance(e, ReduceInputError)),
+                errors[0] if errors else RuntimeError("allreduce segment cancelled"),
+            )
+        order = [mine, *(i for i in range(len(specs)) if i != mine)]
+        return self._assemble(np.shape(value), specs, order, [t.result() for t in tasks])
+
+    def _assemble(
+        self,
+        shape: tuple[int, ...],
+        specs: list[ReduceSpec],
+        order: list[int],
+        segments: list[np.ndarray],
+    ) -> np.ndarray:
+        """The whole result of ``shape`` from its segments (``order``: the
+        segment index of each of ``segments``)."""
+        first = segments[0]
+        # From the buffer pool: fresh memory would be faulted in page by page
+        # (measured: as much CPU as receiving the segments). The region goes
+        # back to the pool when the result array dies (memoryview -> handle).
+        count = math.prod(shape)
+        mem = memoryview(self.ctx.store.pool.allocate(count * first.dtype.itemsize))  # type: ignore[arg-type]
+        flat = np.frombuffer(mem, dtype=first.dtype, count=count)
+        for i, seg in zip(order, segments, strict=True):
+            lo, hi = dataclasses.replace(specs[i], shape=shape).bounds()
+            flat[lo:hi] = seg
+        return flat.reshape(shape)
+
+    async def reduce_anew(self, spec: ReduceSpec, slot: int, value: Any) -> Any:
+        """The failure path of allreduce: the whole reduction of ``spec``'s
+        inputs, as a plain (restartable) reduce tree rooted here with input
+        ``slot`` (``value``: this worker's copy of it, or None to find one)."""
+        w = self.ctx.worker
+        self.ctx.count("allreduce-fallbacks")
+        n = len(spec.inputs)
+        if value is None:
+            local = [i for i, k in enumerate(spec.inputs) if k in w.data]
+            if local:
+                slot, value = local[0], w.data[spec.inputs[local[0]]]
+            else:
+                key = spec.inputs[slot]
+                who_has = await w.scheduler.who_has(keys=[key])
+                [value] = await self.fetch_parts([key], {key: list(who_has.get(key) or [])})
+        held_by = list(spec.addresses)
+        held_by[slot] = w.address
+        size = int(getattr(value, "nbytes", 0) or 0)
+        plan, order = await self.roots.plan_rooted_at(n, size, slot, held_by)
+        plain = dataclasses.replace(
+            spec,
+            rid=uuid.uuid4().hex,
+            inputs=tuple(spec.inputs[i] for i in order),
+            addresses=tuple(held_by[i] for i in order),
+            parent=plan.parent,
+            copies=(),
+            segment=None,
+            shape=(),
+            dtype="",
+        )
+        return await self.roots.run(value, plain.to_msg())
+
+    async def pull_copy(self, spec_msg: dict[str, Any], j: int) -> Any:
+        """Allreduce copy ``j``: stream the result from the previous copy (or
+        the root) while it is being reduced, serve the next copy likewise.
+        An abort of the reduction (``hoplite_reduce_abort``) stops only this
+        copy's stream, which then fails with an error (not a cancellation of
+        its caller)."""
+        spec = ReduceSpec.from_msg(spec_msg)
+        if self.reductions.is_aborted(spec.rid):
+            raise RuntimeError(f"reduction {spec.rid} was aborted; no result to copy")
+        key = spec.copy_key(j)
+        buf = self.ctx.store.announce(key)
+        self.reductions.announced(key)
+        task = asyncio.create_task(self._pull_copy(spec, j, buf))
+        with self.reductions.tracked(spec.rid, task):
+            try:
+                await asyncio.wait({task})
+            except BaseException:  # we were cancelled ourselves
+                cancel_quietly([task])
+                buf.fail(RuntimeError("allreduce copy cancelled"))
+                raise
+        if task.cancelled():
+            error: BaseException = RuntimeError(f"allreduce copy {j} of {spec.rid} was aborted")
+        else:
+            error = task.exception()  # type: ignore[assignment]
+            if error is None:
+                return task.result()
+        buf.fail(error if isinstance(error, Exception) else RuntimeError(str(error)))
+        raise error
+
+    async def _pull_copy(self, spec: ReduceSpec, j: int, buf: ObjectBuffer) -> Any:
+        """Stream copy ``j`` into ``buf``; hold it until copy j+1 has it."""
+        src_addr, src_key = spec.copy_source(j)
+        stall = self.ctx.config.stall_timeout
+        hold = j + 1 < len(spec.copies)
+        async with self.reductions.held_until_sent(spec.copy_key(j), hold=hold):
+            async with pooled_comm(self.ctx.worker.rpc, src_addr, stall) as comm:
+                raw = raw_stream(comm) is not None
+                req = StreamRequest(src_key, 0, spec.block_bytes, None, raw=raw)
+                await receive_stream(comm, buf, req, stall_timeout=stall)
+            result = await self.ctx.deserialize(buf)
+        resolve_op(spec.op).finish(result, len(spec.inputs))
+        return result

@@ -1,0 +1,118 @@
+"""What every component of the worker part shares, and nothing else.
+
+:class:`WorkerContext` is built once by the plugin's ``setup`` and handed to
+each component (receiver, sender, reduce nodes and roots, allreduce, the
+aggregate takeover) in its constructor: the Dask worker, the block store, the
+configuration, the counters and the recent-transfer log, the batched send to
+the scheduler, and fire-and-forget task keeping. No component receives or
+imports the plugin itself.
+
+The configuration is read from the context at each use, so replacing
+``context.config`` (tests shorten a timeout that way) reaches every component.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+from dask.typing import Key
+from distributed import secede
+from distributed.protocol import deserialize, serialize
+from distributed.utils import offload, sync
+from distributed.worker import Worker
+
+from dask_hoplite.config import HopliteConfig
+from dask_hoplite.core.store import BlockStore, ObjectBuffer
+
+logger = logging.getLogger(__name__)
+
+#: The name the worker part is registered under on every worker.
+PLUGIN_NAME = "hoplite-worker"
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class WorkerContext:
+    """The worker part's shared state: one per worker, built by the plugin."""
+
+    worker: Worker
+    store: BlockStore
+    config: HopliteConfig
+    #: Counters shown by ``hoplite_worker_info`` (bytes, keys, resumes...).
+    stats: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: The latest transfers into this worker: key, sender, bytes, and wall
+    #: times of the directory request and the last byte.
+    recent: deque[dict[str, Any]] = dataclasses.field(default_factory=lambda: deque(maxlen=100))
+    #: Fire-and-forget calls, referenced until they finish.
+    background: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)
+    #: The plugin was torn down: components stop taking new work.
+    closed: bool = False
+
+    @property
+    def address(self) -> str:
+        return self.worker.address
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.stats[name] = self.stats.get(name, 0) + n
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send ``msg`` to the scheduler on the worker's batched stream, if open."""
+        bs = self.worker.batched_stream
+        if bs is not None and bs.comm is not None and not bs.comm.closed():
+            self.worker.batched_send(msg)
+
+    def spawn(self, aw: Awaitable[Any]) -> asyncio.Future[Any]:
+        """Run ``aw`` without waiting for it; keep it referenced until done."""
+        fut = asyncio.ensure_future(aw)
+        self.background.add(fut)
+        fut.add_done_callback(self.background.discard)
+        return fut
+
+    def is_large(self, key: Key) -> bool:
+        """Whether Dask's estimate of ``key``'s size reaches ``hoplite.min-bytes``."""
+        ts = self.worker.state.tasks.get(key)
+        return ts is not None and (ts.nbytes or 0) >= self.config.min_bytes
+
+    async def serialize(self, value: Any) -> tuple[dict[str, Any], list[Any]]:
+        """``value`` as hoplite serves it: header and frames (zero-copy for
+        numpy arrays), serialised off the event loop."""
+        return await offload(serialize, value, serializers=("dask", "pickle"), on_error="raise")
+
+    async def deserialize(self, buf: ObjectBuffer) -> Any:
+        """The object in the complete buffer ``buf``, deserialised off the loop."""
+        assert buf.layout is not None
+        # Dask's deserialize mutates headers (it pops collection keys); the
+        # layout keeps serving other receivers, so give it a copy.
+        header = copy.deepcopy(buf.layout.header)
+        return await offload(deserialize, header, buf.frames())
+
+
+def run_on_loop(
+    worker: Worker, fn: Callable[..., Awaitable[T]], *args: Any, seceded: bool = False
+) -> T:
+    """From a Dask task's thread: run coroutine function ``fn`` on the worker's
+    event loop and return its result.
+
+    The task leaves the worker's thread pool first (``secede``, unless it
+    did already: ``seceded``): it only waits for the event loop, and a
+    reduction that lost an input needs that input recomputed, possibly on
+    this very worker, while it waits."""
+    if not seceded:
+        secede()
+    return sync(worker.loop, fn, *args)
+
+
+def cancel_quietly(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel those of ``tasks`` not done yet, and collect every outcome when
+    it comes without waiting for it (no "exception never retrieved")."""
+    for t in tasks:
+        if not t.done():
+            t.cancel()
+        t.add_done_callback(lambda t: t.cancelled() or t.exception())

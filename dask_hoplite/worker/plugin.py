@@ -1,0 +1,235 @@
+"""The worker part's plugin: lifecycle, one handler table, routing.
+
+Installed by the scheduler part on every worker (also on workers that join
+later or restart). ``setup`` checks versions, builds the shared
+:class:`~dask_hoplite.worker.context.WorkerContext` and one object per job
+(receiver, sender, partial copies, reduce nodes and roots, allreduce, the
+aggregate takeover), installs Dask overrides and the peer handlers from one
+table; ``teardown`` undoes all of it. Every handler hands its message to the
+component that owns it; the plugin holds no logic of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from dask.typing import Key
+from distributed import WorkerPlugin
+from distributed.worker import Worker
+from tornado.ioloop import PeriodicCallback
+
+from dask_hoplite._version import __version__
+from dask_hoplite.compat import check_distributed_version
+from dask_hoplite.config import HopliteConfig
+from dask_hoplite.core.protocol import STREAM_OP
+from dask_hoplite.core.store import BlockStore, BufferPool
+from dask_hoplite.errors import VersionMismatch
+from dask_hoplite.worker.aggregate import AggregateTakeover
+from dask_hoplite.worker.allreduce import Allreduce
+from dask_hoplite.worker.context import PLUGIN_NAME, WorkerContext
+from dask_hoplite.worker.partial_copies import PartialCopies
+from dask_hoplite.worker.receiver import DaskFetchPaths, Receiver
+from dask_hoplite.worker.reduce_node import ReduceNodes
+from dask_hoplite.worker.reduce_root import ReduceRoots
+from dask_hoplite.worker.reductions import RunningReductions
+from dask_hoplite.worker.sender import Sender
+from dask_hoplite.worker.small_allreduce import SmallAllreduce
+
+logger = logging.getLogger(__name__)
+
+_TRIM_CALLBACK = "hoplite-pool-trim"
+
+
+@dataclasses.dataclass
+class WorkerParts:
+    """The components of a running worker part, built together by ``setup``."""
+
+    ctx: WorkerContext
+    receiver: Receiver
+    fetch_paths: DaskFetchPaths
+    partial_copies: PartialCopies
+    sender: Sender
+    reductions: RunningReductions
+    nodes: ReduceNodes
+    roots: ReduceRoots
+    allreduce: Allreduce
+    small_allreduce: SmallAllreduce
+    aggregates: AggregateTakeover
+
+    @classmethod
+    def build(cls, worker: Worker, config: HopliteConfig) -> WorkerParts:
+        ctx = WorkerContext(worker, BlockStore(BufferPool(config.buffer_pool_bytes)), config)
+        receiver = Receiver(ctx)
+        reductions = RunningReductions(ctx)
+        nodes = ReduceNodes(ctx, reductions)
+        roots = ReduceRoots(ctx, reductions, nodes)
+        return cls(
+            ctx=ctx,
+            receiver=receiver,
+            fetch_paths=DaskFetchPaths(ctx, receiver, worker.gather_dep, worker.handlers["gather"]),
+            partial_copies=PartialCopies(ctx, receiver.is_fetching),
+            sender=Sender(ctx, reductions),
+            reductions=reductions,
+            nodes=nodes,
+            roots=roots,
+            allreduce=Allreduce(ctx, reductions, roots, receiver.fetch_parts),
+            small_allreduce=SmallAllreduce(ctx, receiver.fetch_parts),
+            aggregates=AggregateTakeover(ctx, roots, receiver.fetch_parts),
+        )
+
+
+class HopliteWorker(WorkerPlugin):
+    """Worker half of dask-hoplite. Users do not create this themselves: the
+    scheduler plugin :class:`dask_hoplite.Hoplite` registers it.
+
+    Parameters
+    ----------
+    scheduler_version:
+        The dask-hoplite version of the scheduler that sent this plugin; a
+        worker with another version refuses to start the plugin.
+    """
+
+    name = PLUGIN_NAME
+
+    def __init__(self, scheduler_version: str = __version__) -> None:
+        self.scheduler_version = scheduler_version
+        self._parts: WorkerParts | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"scheduler_version": self.scheduler_version}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["scheduler_version"])  # type: ignore[misc]
+
+    # ------------------------------------------------------------ lifecycle
+
+    def setup(self, worker: Worker) -> None:
+        if self.scheduler_version != __version__:
+            raise VersionMismatch(
+                f"dask-hoplite {__version__} on worker {worker.address} does not match "
+                f"dask-hoplite {self.scheduler_version} on the scheduler; install the same "
+                "version everywhere. This worker keeps using Dask's own transfers."
+            )
+        check_distributed_version()
+        parts = self._parts = WorkerParts.build(worker, HopliteConfig.from_dask_config())
+        worker.gather_dep = parts.fetch_paths.gather_dep  # type: ignore[method-assign]
+        worker.handlers["gather"] = parts.fetch_paths.gather
+        for name, handler in self._handlers().items():
+            worker.handlers[name] = handler
+        parts.aggregates.install(worker)
+        interval = 1000 * min(1.0, parts.ctx.config.buffer_pool_idle)
+        trim = PeriodicCallback(self._trim_pool, interval)
+        worker.periodic_callbacks[_TRIM_CALLBACK] = trim
+        trim.start()
+        logger.debug("hoplite worker part installed on %s", worker.address)
+
+    def _handlers(self) -> dict[str, Callable[..., Any]]:
+        """Every peer RPC of the worker part, by name."""
+        p = self.parts
+        return {
+            STREAM_OP: p.sender.handle_stream,
+            "hoplite_worker_info": self.info,
+            "hoplite_reduce_node": p.nodes.handle_node,
+            "hoplite_reduce_abort": p.reductions.abort,
+            "hoplite_reduce_running": p.reductions.running,
+            "hoplite_reduce_replace": self._reduce_replace,
+            "hoplite_result": p.small_allreduce.handle_result,
+        }
+
+    def teardown(self, worker: Worker) -> None:
+        p = self._parts
+        if p is None:
+            return
+        p.ctx.closed = True
+        if worker.__dict__.get("gather_dep") == p.fetch_paths.gather_dep:
+            del worker.gather_dep
+        if worker.handlers.get("gather") == p.fetch_paths.gather:
+            worker.handlers["gather"] = p.fetch_paths.original_gather
+        for name, handler in self._handlers().items():
+            if worker.handlers.get(name) == handler:
+                del worker.handlers[name]
+        p.aggregates.restore(worker)
+        p.reductions.close()
+        p.partial_copies.close()
+        trim = worker.periodic_callbacks.pop(_TRIM_CALLBACK, None)
+        if trim is not None:
+            trim.stop()
+        for key in list(p.ctx.store.buffers):
+            p.ctx.store.release(key)
+        p.ctx.store.pool.clear()
+        self._parts = None
+
+    def transition(self, key: Key, start: str, finish: str, **kwargs: Any) -> None:
+        """Dask moved ``key`` on this worker: wake the small-allreduce requests
+        for it, and keep, complete or drop our copy of it."""
+        p = self._parts
+        if p is None:
+            return
+        p.small_allreduce.task_finished(key, finish)
+        p.partial_copies.transition(key, finish)
+
+    # ------------------------------------------------------------ routing
+
+    async def _reduce_replace(self, rid: str, slot: int, offset: int, dead: str) -> dict[str, Any]:
+        """RPC ``hoplite_reduce_replace``, to the root of reduction ``rid``."""
+        root = self.parts.reductions.roots.get(rid)
+        if root is None:
+            return {"status": "error", "message": f"reduction {rid} is not running here"}
+        return await root.replace(slot, offset, dead)
+
+    def _trim_pool(self) -> None:
+        ctx = self.parts.ctx
+        freed = ctx.store.pool.trim(ctx.config.buffer_pool_idle)
+        if freed:
+            logger.debug("returned %d idle pooled bytes to the OS", freed)
+
+    def info(self) -> dict[str, Any]:
+        """Handler ``hoplite_worker_info``: the store's size and counters."""
+        ctx = self.parts.ctx
+        return {
+            "buffers": len(ctx.store),
+            "nbytes": ctx.store.nbytes,
+            "pool_idle_bytes": ctx.store.pool.idle_bytes,
+            "pool_reused": ctx.store.pool.reused,
+            "stats": dict(ctx.stats),
+            "recent": list(ctx.recent),
+            "version": __version__,
+        }
+
+    # ------------------------------------------------- state, for info and tests
+
+    @property
+    def running(self) -> bool:
+        return self._parts is not None
+
+    @property
+    def parts(self) -> WorkerParts:
+        """The components (``plugin.parts.receiver``, ``.allreduce``...)."""
+        if self._parts is None:
+            raise RuntimeError("dask-hoplite's worker part is not set up on this worker")
+        return self._parts
+
+    @property
+    def gather_dep(self) -> Callable[..., Any]:
+        """What this plugin installed as ``worker.gather_dep``."""
+        return self.parts.fetch_paths.gather_dep
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.parts.ctx.stats
+
+    @property
+    def store(self) -> BlockStore:
+        return self.parts.ctx.store
+
+    @property
+    def config(self) -> HopliteConfig:
+        return self.parts.ctx.config
+
+    @config.setter
+    def config(self, value: HopliteConfig) -> None:
+        """Replace the settings every component reads (tests shorten timeouts)."""
+        self.parts.ctx.config = value

@@ -1,0 +1,325 @@
+"""Receiving large keys: fetch with resume, and the adapters that put it under
+Dask's own fetch paths.
+
+:class:`Receiver` streams a key into this worker's block store from the sender
+the directory assigns; when that sender dies or stalls it resumes from the
+byte reached with another sender (never one downstream of this worker), and
+restarts from byte 0 only if the new sender holds another object.
+
+:class:`DaskFetchPaths` replaces, on the worker instance:
+
+* ``worker.gather_dep``: keys of at least ``hoplite.min-bytes`` are fetched
+  through the :class:`Receiver`; the rest, and anything hoplite cannot fetch,
+  go to Dask's original method. The returned event obeys the rules of Dask's
+  state machine (same ``worker`` and ``total_nbytes`` as the instruction, keys
+  left out of ``data`` mean "the peer lacks it", no exception escapes).
+* ``worker.handlers["gather"]``: the endpoint of ``client.replicate`` and
+  ``client.scatter(..., broadcast=True)``, likewise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any
+
+from dask.typing import Key
+from distributed import Reschedule
+from distributed.comm.core import CommClosedError
+from distributed.worker import WORKER_ANY_RUNNING, get_data_from_worker
+from distributed.worker_state_machine import GatherDepSuccessEvent, StateMachineEvent
+
+from dask_hoplite.core.protocol import PROTOCOL_VERSION, StreamRequest
+from dask_hoplite.core.store import BufferState, ObjectBuffer
+from dask_hoplite.errors import LayoutChanged
+from dask_hoplite.streams import pooled_comm, raw_stream, receive_stream
+from dask_hoplite.worker.context import WorkerContext
+
+logger = logging.getLogger(__name__)
+
+#: ``fetch`` result: the key is in memory nowhere (lost, being recomputed).
+GONE = object()
+_FAILED = object()  # a stream ended without the whole object: resume elsewhere
+_RESTART = object()  # the sender holds another object: start over
+
+
+class Receiver:
+    """Fetches keys into this worker's block store, resuming across senders."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        #: Keys being fetched here, with a future set when the fetch ends.
+        self.fetching: dict[Key, asyncio.Future[None]] = {}
+        #: Holders of keys hoplite gave up on, as the scheduler saw them then.
+        self.holders: dict[Key, list[str]] = {}
+
+    def is_fetching(self, key: Key) -> bool:
+        return key in self.fetching
+
+    async def fetch(self, key: Key) -> tuple[bool, Any]:
+        """Fetch ``key`` through hoplite. Returns ``(True, value)``;
+        ``(False, GONE)`` when the key is in memory nowhere (lost or being
+        recomputed: Dask must locate it again); or ``(False, None)`` when the
+        caller should use Dask's own path (the key is small, unknown to the
+        directory, or no sender could finish the stream)."""
+        while key in self.fetching:  # another local caller is fetching it
+            logger.debug("%r: waiting for the fetch already running here", key)
+            await self.fetching[key]
+        buf = self.ctx.store.get(key)
+        if buf is not None and buf.state is BufferState.COMPLETE:
+            self.ctx.count("local-hits")
+            return True, await self.ctx.deserialize(buf)
+
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.fetching[key] = done
+        try:
+            return await self._fetch(key)
+        finally:
+            del self.fetching[key]
+            done.set_result(None)
+
+    async def _fetch(self, key: Key) -> tuple[bool, Any]:
+        """Stream ``key`` into this worker's buffer, resuming with another
+        sender after a failure, up to ``hoplite.resume-attempts`` times."""
+        buf = self.ctx.store.announce(key)  # may be a partial copy left by an earlier attempt
+        excluded: list[str] = []
+        gone = False
+        for _attempt in range(self.ctx.config.max_resumes + 1):
+            t_request = time.time()
+            reply = await self._ask_directory(key, buf, excluded)
+            if reply is None:
+                break
+            if reply.get("status") != "assign":
+                gone = bool(reply.get("gone"))
+                self.holders[key] = list(reply.get("holders") or ())
+                break
+            sender, tid = reply["sender"], reply["transfer_id"]
+            buf.resume()  # a copy kept for a resume serves its readers again
+            if buf.progress:
+                self.ctx.count("bytes-resumed", buf.progress)  # not fetched again
+            outcome = await self._stream_from(buf, sender, tid, int(reply.get("nbytes") or 0))
+            if outcome is _RESTART:
+                # Another object than the bytes we hold: start over, from byte 0.
+                self.ctx.count("restarts")
+                buf.fail(LayoutChanged(f"{key!r} changed; restarting from byte 0"))
+                self.ctx.store.discard_if(key, buf)
+                buf = self.ctx.store.announce(key)
+                continue
+            if outcome is _FAILED:
+                excluded.append(sender)
+                if buf.progress:
+                    self.ctx.count("resumes")
+                continue
+            self.ctx.recent.append(
+                {
+                    "key": key,
+                    "sender": sender,
+                    "nbytes": buf.nbytes,
+                    "requested": t_request,
+                    "done": time.time(),
+                    "senders": [*excluded, sender],
+                }
+            )
+            return True, outcome
+        self._give_up(key, buf)
+        return False, GONE if gone else None
+
+    async def _ask_directory(
+        self, key: Key, buf: ObjectBuffer, excluded: list[str]
+    ) -> dict[str, Any] | None:
+        """The directory's answer for ``key`` (None: it cannot be asked)."""
+        w = self.ctx.worker
+        t0 = time.monotonic()
+        try:
+            reply: dict[str, Any] = await w.scheduler.hoplite_request(
+                key=key, receiver=w.address, protocol=PROTOCOL_VERSION, exclude=excluded
+            )
+        except Exception as e:
+            logger.warning("hoplite directory unreachable for %r (%s); using Dask's path", key, e)
+            return None
+        logger.debug(
+            "%r: directory answered %s after %.3fs (progress %d)",
+            key,
+            {k: v for k, v in reply.items() if k != "holders"},
+            time.monotonic() - t0,
+            buf.progress,
+        )
+        if reply.get("status") == "error":
+            logger.warning("hoplite directory refused %r: %s", key, reply.get("message"))
+        return reply
+
+    def _give_up(self, key: Key, buf: ObjectBuffer) -> None:
+        """Dask's own path takes over. A partial copy stays in the store (still
+        serving our own receivers as it is) so that a later fetch resumes it,
+        e.g. once the object has been recomputed; it goes when Dask releases
+        the key here or the key lands in memory."""
+        if not buf.progress:
+            self.ctx.store.discard_if(key, buf)
+            if buf.state is not BufferState.COMPLETE:
+                buf.fail(RuntimeError(f"no hoplite sender for {key!r}"))
+
+    async def _stream_from(self, buf: ObjectBuffer, sender: str, tid: int, nbytes: int) -> Any:
+        """One stream into ``buf`` from ``sender``, from the byte it reached.
+        Returns the deserialised object, or ``_FAILED`` / ``_RESTART``."""
+        ctx, w, key = self.ctx, self.ctx.worker, buf.key
+        stall = ctx.config.stall_timeout
+        ok = False
+        n = 0
+        t0 = time.monotonic()
+        try:
+            async with pooled_comm(w.rpc, sender, stall) as comm:
+                offset = buf.progress if buf.layout is not None else 0
+                block = ctx.config.block_size_for(nbytes)
+                req = StreamRequest(key, offset, block, tid, raw=raw_stream(comm) is not None)
+                n = await receive_stream(comm, buf, req, stall_timeout=stall)
+            value = await ctx.deserialize(buf)
+            ok = True
+            ctx.count("bytes-received", n)
+            ctx.count("keys-received")
+            return value
+        except LayoutChanged as e:
+            logger.info("%s", e)
+            return _RESTART
+        except Exception as e:
+            logger.warning(
+                "hoplite stream of %r from %s failed at byte %d (%s: %s); resuming elsewhere",
+                key,
+                sender,
+                buf.progress,
+                type(e).__name__,
+                e,
+                exc_info=logger.isEnabledFor(logging.DEBUG),
+            )
+            ctx.count("streams-failed")
+            return _FAILED
+        finally:
+            ctx.send(
+                {
+                    "op": "hoplite-finished",
+                    "transfer_id": tid,
+                    "ok": ok,
+                    "key": key,
+                    "nbytes": n,
+                    "seconds": time.monotonic() - t0,
+                    "latency": w.latency,
+                }
+            )
+
+    async def fetch_parts(self, keys: list[Key], who_has: dict[Key, list[str]]) -> list[Any]:
+        """The values of ``keys`` here: from memory, through hoplite, or from a
+        holder by Dask's own ``get_data``. Raises :class:`distributed.Reschedule`
+        when a key cannot be had from any holder (the scheduler then recomputes
+        it from its lineage and runs the task again)."""
+        w = self.ctx.worker
+        out: dict[Key, Any] = {k: w.data[k] for k in keys if k in w.data}
+        for key in keys:
+            if key in out:
+                continue
+            ok, value = await self.fetch(key)
+            if ok:
+                out[key] = value
+                continue
+            for holder in who_has[key]:
+                with contextlib.suppress(OSError, CommClosedError, asyncio.TimeoutError):
+                    resp = await get_data_from_worker(w.rpc, [key], holder, who=w.address)
+                    if resp["status"] == "OK" and key in resp["data"]:
+                        out[key] = resp["data"][key]
+                        break
+            else:
+                raise Reschedule()
+        return [out[k] for k in keys]
+
+
+GatherDep = Callable[..., Awaitable[StateMachineEvent]]
+Gather = Callable[..., Awaitable[dict[str, Any]]]
+
+
+class DaskFetchPaths:
+    """Dask's two fetch entry points with large keys taken by a :class:`Receiver`.
+
+    ``original_gather_dep`` / ``original_gather``: Dask's own methods, which
+    get every key hoplite does not take."""
+
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        receiver: Receiver,
+        original_gather_dep: GatherDep,
+        original_gather: Gather,
+    ) -> None:
+        self.ctx = ctx
+        self.receiver = receiver
+        self.original_gather_dep = original_gather_dep
+        self.original_gather = original_gather
+
+    async def gather_dep(
+        self,
+        worker: str,
+        to_gather: Collection[Key],
+        total_nbytes: int,
+        *,
+        stimulus_id: str,
+    ) -> StateMachineEvent:
+        """Dask's ``Worker.gather_dep`` with large keys fetched through hoplite."""
+        w, orig = self.ctx.worker, self.original_gather_dep
+        large = [k for k in to_gather if self.ctx.is_large(k)]
+        if not large or self.ctx.closed or w.status not in WORKER_ANY_RUNNING:
+            return await orig(worker, to_gather, total_nbytes, stimulus_id=stimulus_id)
+        logger.debug(
+            "gather_dep from %s: %d key(s), %d through hoplite", worker, len(to_gather), len(large)
+        )
+        results = await asyncio.gather(
+            *(self.receiver.fetch(k) for k in large), return_exceptions=True
+        )
+        data: dict[Key, Any] = {}
+        gone: set[Key] = set()
+        for key, res in zip(large, results, strict=True):
+            if isinstance(res, BaseException):
+                logger.error("hoplite fetch of %r raised", key, exc_info=res)
+            elif res[0]:
+                data[key] = res[1]
+            elif res[1] is GONE or worker not in self.receiver.holders.get(key, [worker]):
+                gone.add(key)
+            self.receiver.holders.pop(key, None)
+        # Keys no longer in memory anywhere, or no longer on the peer Dask
+        # picked: Dask's holder is stale (dead, or the key is being
+        # recomputed). Leaving them out of ``data`` tells the state machine
+        # this peer lacks them, so it asks the scheduler where they are now
+        # instead of trying a dead peer until its connect timeout.
+        rest = [k for k in to_gather if k not in data and k not in gone]
+        if not rest:
+            w.state.log.append(("receive-dep-hoplite", worker, set(data), stimulus_id, time.time()))
+            return GatherDepSuccessEvent(
+                worker=worker,
+                total_nbytes=total_nbytes,
+                data=data,
+                stimulus_id=f"hoplite-gather-dep-success-{time.time()}",
+            )
+        ev = await orig(worker, rest, total_nbytes, stimulus_id=stimulus_id)
+        if isinstance(ev, GatherDepSuccessEvent):
+            ev.data.update(data)
+        # Otherwise the keys go back to `fetch`; what hoplite fetched stays in
+        # the store as a complete buffer and the retry finds it there.
+        return ev
+
+    async def gather(self, who_has: dict[Key, list[str]]) -> dict[str, Any]:
+        """The ``gather`` endpoint (``client.replicate``, ``scatter(broadcast=True)``)."""
+        w = self.ctx.worker
+        wanted = [k for k in who_has if k not in w.data]
+        results = await asyncio.gather(
+            *(self.receiver.fetch(k) for k in wanted), return_exceptions=True
+        )
+        data = {
+            k: r[1]
+            for k, r in zip(wanted, results, strict=True)
+            if not isinstance(r, BaseException) and r[0]
+        }
+        if data:
+            w.update_data(data=data, stimulus_id=f"hoplite-gather-{time.time()}")
+        rest = {k: v for k, v in who_has.items() if k not in data}
+        if not rest:
+            return {"status": "OK"}
+        return await self.original_gather(who_has=rest)

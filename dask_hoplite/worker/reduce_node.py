@@ -1,0 +1,191 @@
+"""A node of a pipelined reduce tree, on the worker that holds its input.
+
+Every node of the tree (planned by :mod:`dask_hoplite.core.planner`) holds one
+input. It streams each child's *partial result*, combines its own operand
+with them block by block (:mod:`dask_hoplite.worker.combine`), and exposes its
+own partial result as a buffer in the worker's block store, which its parent
+streams from while it fills. So partial sums flow up the tree before any node
+has finished, and the root's buffer is the result.
+
+The root (:mod:`dask_hoplite.worker.reduce_root`) starts the other nodes with
+the ``hoplite_reduce_node`` RPC, which runs on the event loop and needs no
+thread, so several nodes on one worker cannot starve each other of task
+slots. A node whose input does not match the root's (shape or dtype) fails
+with an error naming it, which the root raises. A node whose child's worker
+died asks the root for a replacement (``hoplite_reduce_replace``) and reads on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+import numpy as np
+from distributed.protocol import serialize
+
+from dask_hoplite.core.reduce_ops import ReduceOp, resolve_op
+from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, select_field
+from dask_hoplite.core.store import Layout, ObjectBuffer
+from dask_hoplite.errors import ProtocolError, ReduceInputError
+from dask_hoplite.worker.combine import NodeJob, combine_buffered, combine_raw, raw_capable
+from dask_hoplite.worker.context import WorkerContext
+from dask_hoplite.worker.reductions import RunningReductions
+
+logger = logging.getLogger(__name__)
+
+
+def result_layout(shape: tuple[int, ...], dtype: np.dtype) -> Layout:
+    """The byte layout of a node's partial result (what Dask serialises an
+    array of that shape and dtype into)."""
+    header, frames = serialize(np.empty(shape, dtype=dtype), serializers=("dask",))
+    return Layout(header, tuple(memoryview(f).nbytes for f in frames))
+
+
+def _operand(value: Any, spec: ReduceSpec, slot: int, rdt: np.dtype) -> np.ndarray:
+    """The node's own input as a flat C-contiguous array of the result dtype."""
+    like = (spec.inputs[spec.root], spec.shape, spec.dtype)
+    value = check_input(value, spec.inputs[slot], like)
+    flat = value.reshape(-1)  # a view when the input is contiguous
+    if spec.segment is not None:
+        lo, hi = spec.bounds()
+        flat = flat[lo:hi]  # sliced before any dtype conversion: only this segment
+    return np.ascontiguousarray(flat, dtype=rdt)
+
+
+class ReduceNodes:
+    """Runs this worker's nodes of reduce trees."""
+
+    def __init__(self, ctx: WorkerContext, reductions: RunningReductions) -> None:
+        self.ctx = ctx
+        self.reductions = reductions
+
+    async def run(self, spec: ReduceSpec, slot: int, value: Any, offset: int = 0) -> ObjectBuffer:
+        """Combine node ``slot``'s input with its children's streams into its
+        partial buffer (announced in the store, so the parent can stream it as
+        it fills). Returns the completed buffer. A node replacing a dead one
+        starts at ``offset``, the byte its parent reached."""
+        store = self.ctx.store
+        op: ReduceOp = resolve_op(spec.op)
+        rdt = op.result_dtype(np.dtype(spec.dtype))
+        key = spec.partial_key(slot)
+        children = spec.children(slot)
+        if not children:
+            # A leaf's partial result is its own operand: serve it as it is.
+            own = _operand(value, spec, slot, rdt)
+            layout = result_layout(spec.node_shape(), rdt)
+            leaf = store.add_source(key, layout.header, [own.view(np.uint8)])
+            self.reductions.announced(key)
+            return leaf
+        acc = store.announce(key)
+        self.reductions.announced(key)
+        try:
+            own = _operand(value, spec, slot, rdt)
+            acc.allocate(result_layout(spec.node_shape(), rdt))
+            itemsize = max(1, rdt.itemsize)
+            block = max(itemsize, spec.block_bytes // itemsize * itemsize)
+            replace = functools.partial(self.replace_child, spec)
+            job = NodeJob(self.ctx, spec, children, op, rdt, own, acc, block, replace, offset)
+            if raw_capable(spec, children):
+                await combine_raw(job)
+            elif offset:
+                raise ProtocolError("only TCP/TLS reduce nodes resume from an offset")
+            else:
+                await combine_buffered(job)
+            return acc
+        except BaseException as e:
+            acc.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))
+            store.discard_if(key, acc)
+            raise
+
+    async def handle_node(self, spec: dict[str, Any], slot: int, offset: int = 0) -> dict[str, Any]:
+        """RPC ``hoplite_reduce_node``: run node ``slot`` of a reduce tree (from
+        byte ``offset``: a node replacing a dead one)."""
+        w = self.ctx.worker
+        s = ReduceSpec.from_msg(spec)
+        key = s.inputs[slot]
+        if self.reductions.is_aborted(s.rid):
+            return {"status": "error", "message": "reduction aborted"}
+        if key not in w.data:
+            return {
+                "status": "error",
+                "message": f"input {key!r} of the reduction is not in memory on {w.address}",
+            }
+        try:
+            value = select_field(w.data[key], s.field, key)
+        except ReduceInputError as e:
+            return {"status": "error", "input_error": True, "message": str(e)}
+        task = asyncio.create_task(self._run_until_sent(s, slot, value, offset))
+        try:
+            with self.reductions.tracked(s.rid, task):
+                await task
+            return {"status": "OK"}
+        except ReduceInputError as e:
+            return {"status": "error", "input_error": True, "message": str(e)}
+        except asyncio.CancelledError:
+            return {"status": "error", "message": "reduction aborted"}
+        except Exception as e:
+            logger.warning("reduce node %d of %s failed", slot, s.rid, exc_info=True)
+            return {"status": "error", "message": f"{type(e).__name__}: {e}"}
+
+    async def _run_until_sent(
+        self, spec: ReduceSpec, slot: int, value: Any, offset: int = 0
+    ) -> None:
+        """Run one non-root node and hold its partial result until the parent
+        has streamed all of it.
+
+        The parent reads its children in lockstep, so it may take this
+        node's last byte long after the node finished (a slower sibling, a
+        busy host). Only a reduction whose root stopped running it ends the
+        wait early: an alive root aborts the whole tree when any node fails,
+        so it is asked, once per stall timeout of waiting."""
+        key = spec.partial_key(slot)
+        root = spec.addresses[spec.root]
+        alive = functools.partial(self._root_running, root, spec.rid)
+        async with self.reductions.held_until_sent(key, alive=alive):
+            await self.run(spec, slot, value, offset)
+
+    async def _root_running(self, root: str, rid: str) -> bool:
+        """Whether worker ``root`` still runs reduction ``rid`` (no answer
+        within the stall timeout counts as no)."""
+        try:
+            return bool(
+                await asyncio.wait_for(
+                    self.ctx.worker.rpc(root).hoplite_reduce_running(rid=rid),
+                    self.ctx.config.stall_timeout,
+                )
+            )
+        except Exception:
+            return False
+
+    async def replace_child(
+        self, spec: ReduceSpec, slot: int, offset: int, dead: str, error: Exception
+    ) -> str:
+        """Ask the root of ``spec`` for a replacement of child node ``slot``
+        whose stream broke (``error``) at byte ``offset``; its new address.
+        Raises ``error`` if the root refuses."""
+        cfg = self.ctx.config
+        root = spec.addresses[spec.root]
+        logger.info(
+            "child %d of reduction %s on %s broke at byte %d (%s: %s); asking the root",
+            slot,
+            spec.rid,
+            dead,
+            offset,
+            type(error).__name__,
+            error,
+        )
+        try:
+            reply = await asyncio.wait_for(
+                self.ctx.worker.rpc(root).hoplite_reduce_replace(
+                    rid=spec.rid, slot=slot, offset=offset, dead=dead
+                ),
+                cfg.queue_timeout + 2 * cfg.stall_timeout,
+            )
+        except Exception as e:
+            raise error from e
+        if reply.get("status") != "OK":
+            raise error
+        self.ctx.count("reduce-children-replaced")
+        return str(reply["address"])

@@ -1,0 +1,420 @@
+"""The root of a reduce tree, on the worker that holds the root's input.
+
+:class:`TreeRoot` is one running tree: it starts every other node with the
+``hoplite_reduce_node`` RPC, runs the root's own node, replaces a node whose
+worker died (a parent asks with ``hoplite_reduce_replace``, which the plugin
+routes here by reduction id), and on the first failure it cannot repair
+aborts the whole tree and raises the clearest error.
+
+:class:`ReduceRoots` runs a reduction on this worker: a plain reduction whose
+tree breaks beyond repair is restarted with its inputs located again (the
+scheduler recomputes lost ones from their lineage), up to
+``hoplite.resume-attempts`` times. Inputs that do not fit are final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+from dask.typing import Key
+
+from dask_hoplite.core.planner import (
+    ReduceTree,
+    colocated_order,
+    max_chain_length,
+    plan_reduce_tree,
+)
+from dask_hoplite.core.reduce_ops import resolve_op
+from dask_hoplite.core.reduce_spec import ReduceSpec, check_input
+from dask_hoplite.core.store import ObjectBuffer
+from dask_hoplite.core.tree_repair import TreeRepair
+from dask_hoplite.errors import NodeFailed, ReduceInputError
+from dask_hoplite.scheduler_queries import network_estimate, wait_for_holders
+from dask_hoplite.worker.context import WorkerContext, cancel_quietly
+from dask_hoplite.worker.reduce_node import ReduceNodes
+from dask_hoplite.worker.reductions import RunningReductions
+
+logger = logging.getLogger(__name__)
+
+Task = asyncio.Task[Any]
+
+
+class TreeRoot:
+    """One running reduce tree, seen from its root."""
+
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        reductions: RunningReductions,
+        nodes: ReduceNodes,
+        spec: ReduceSpec,
+    ) -> None:
+        self.ctx = ctx
+        self.reductions = reductions
+        self.nodes = nodes
+        self.rid = spec.rid
+        # Plain reductions only: an allreduce's copies and segments have
+        # their own fallback.
+        repairable = not spec.copies and spec.segment is None
+        self.repair = TreeRepair(
+            spec,
+            budget=ctx.config.max_resumes if repairable else 0,
+            grace=ctx.config.stall_timeout,
+        )
+        self.slot_of: dict[Task, int] = {}
+        #: The task running each node now (its call to the node's worker).
+        self.current: dict[int, Task] = {}
+        #: Replacement nodes started, for the supervising loop to wait on.
+        self.joined: asyncio.Queue[tuple[int, Task]] = asyncio.Queue()
+        self.tasks: set[Task] = set()
+
+    async def run(self, value: Any) -> Any:
+        """Run the root node while starting the others; the result.
+
+        A node whose worker died is not a failure yet: its parent asks for a
+        replacement (:meth:`replace`), which joins the tree where the dead
+        node was. Only if none is asked for within a stall timeout does the
+        tree count as broken."""
+        spec = self.repair.spec
+        for i in range(len(spec.inputs)):
+            if i != spec.root:
+                t = asyncio.create_task(self._start_node(spec, i))
+                self.slot_of[t], self.current[i] = i, t
+        own: asyncio.Task[ObjectBuffer] = asyncio.create_task(
+            self.nodes.run(spec, spec.root, value)
+        )
+        self.tasks = {*self.slot_of, own}
+        self.reductions.roots[self.rid] = self
+        try:
+            failed = await self._supervise(own)
+        except BaseException:  # cancelled from outside
+            self.repair.closed = True
+            self._abort()
+            raise
+        finally:
+            self.repair.closed = True
+            self.reductions.roots.pop(self.rid, None)
+            while not self.joined.empty():  # a replacement started after the loop's last look
+                _, late = self.joined.get_nowait()  # is of no use any more
+                self.tasks.add(late)
+                cancel_quietly([late])
+        if failed:
+            self._abort()
+            raise self._clearest_error(failed)
+        if self.repair.used:
+            self.ctx.count("reduce-repairs", self.repair.used)
+        return await self.ctx.deserialize(own.result())
+
+    async def _supervise(self, own: asyncio.Task[ObjectBuffer]) -> list[Task]:
+        """Wait for the nodes; the tasks that failed beyond repair.
+
+        Once the root's own node has finished, every node's partial result has
+        been streamed up the tree, so the nodes' replies are only waited for
+        one stall timeout more (a node whose worker hangs after sending must
+        not hold the result back)."""
+        stall = self.ctx.config.stall_timeout
+        pending = set(self.tasks)
+        failed: list[Task] = []
+        while pending and not failed:
+            own_ok = own.done() and not own.cancelled() and own.exception() is None
+            timeout = stall if own_ok else None
+            deadline = self.repair.next_deadline()
+            if deadline is not None:
+                timeout = max(0.0, min(timeout or math.inf, deadline - time.monotonic()))
+            wake: Task = asyncio.create_task(self.joined.get())
+            done, pending = await asyncio.wait(
+                pending | {wake}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            pending.discard(wake)
+            if wake.done():
+                done.discard(wake)
+                new_slot, new_task = wake.result()
+                self.slot_of[new_task] = new_slot
+                self.tasks.add(new_task)
+                pending.add(new_task)
+            else:
+                wake.cancel()
+            failed = self._failures(done)
+            if own_ok and failed:
+                # The result was complete before this node's reply came:
+                # its failure (say, it hung up after sending) changes nothing.
+                logger.info(
+                    "reduction %s: a node failed after the result: %s",
+                    self.rid,
+                    [t.exception() for t in failed if t.done() and not t.cancelled()],
+                )
+                failed = []
+            if not done and own_ok and not wake.done():
+                logger.info(
+                    "reduction %s: %d node(s) did not confirm within %gs of the result",
+                    self.rid,
+                    len(pending),
+                    stall,
+                )
+                cancel_quietly(pending)
+                break
+        return failed
+
+    def _failures(self, done: set[Task]) -> list[Task]:
+        """Of the finished ``done``, those that failed and cannot wait for a
+        replacement, plus the dead nodes whose replacement came too late."""
+        failed = []
+        now = time.monotonic()
+        for t in done:
+            if t.cancelled() or t.exception() is None:
+                continue
+            e = t.exception()
+            at = self.slot_of.get(t)
+            if at is not None and self.current.get(at) is not t:
+                continue  # a node replaced already
+            if (
+                at is not None
+                and isinstance(e, NodeFailed)
+                and e.unreachable
+                and self.repair.refusal(at) is None
+            ):
+                self.repair.node_died(at, now)
+                continue
+            failed.append(t)
+        return failed + [self.current[s] for s in self.repair.unrepaired(now)]
+
+    def _clearest_error(self, failed: list[Task]) -> BaseException:
+        errors = [t.exception() if t.done() and not t.cancelled() else None for t in failed]
+        if not any(errors):
+            errors = [NodeFailed(f"a node of {self.rid} died and was not replaced", "")]
+        return next(
+            (e for e in errors if isinstance(e, ReduceInputError)),
+            next(e for e in errors if e is not None),
+        )
+
+    async def _start_node(self, spec: ReduceSpec, slot: int, offset: int = 0) -> None:
+        """Run node ``slot`` of ``spec`` on its worker, until it is done."""
+        addr = spec.addresses[slot]
+        try:
+            reply = await self.ctx.worker.rpc(addr).hoplite_reduce_node(
+                spec=spec.to_msg(), slot=slot, offset=offset
+            )
+        except Exception as e:
+            raise NodeFailed(
+                f"node {slot} on {addr}: {type(e).__name__}: {e}", addr, unreachable=True
+            ) from e
+        if reply.get("status") != "OK":
+            if reply.get("input_error"):
+                raise ReduceInputError(reply.get("message"))
+            raise NodeFailed(str(reply.get("message")), addr)
+
+    def _abort(self) -> None:
+        """Stop every node and copy of the tree (this worker's tasks too) and
+        drop its partial results here."""
+        spec = self.repair.spec
+        cancel_quietly(self.tasks)
+        rpc = self.ctx.worker.rpc
+        # Not waited for: a live peer gets it within a round trip, while a
+        # dead one is retried by Dask's connect for comm.timeouts.connect
+        # and a hung one never answers. A restart uses a new id anyway.
+        self.ctx.spawn(
+            asyncio.gather(
+                *(
+                    rpc(a).hoplite_reduce_abort(rid=spec.rid)
+                    for a in set(spec.addresses) | set(spec.copies)
+                ),
+                return_exceptions=True,
+            )
+        )
+        self.reductions.drop_partials(spec.rid)
+
+    async def replace(self, slot: int, offset: int, dead: str) -> dict[str, Any]:
+        """RPC ``hoplite_reduce_replace`` (routed here by id): node ``slot`` on
+        worker ``dead`` broke its parent's stream at byte ``offset``. Start a
+        replacement where its input is (waiting while Dask recomputes it) and
+        return that worker's address; refuse if the node failed otherwise
+        than by its worker dying."""
+        repair = self.repair
+        why = repair.refusal(slot)
+        if why is None:
+            why = await self._why_not_dead(slot, dead)
+        if why is None:
+            why = repair.refusal(slot)  # the tree may have ended meanwhile
+        if why is not None:
+            logger.info("not replacing node %d of reduction %s: %s", slot, self.rid, why)
+            return {"status": "error", "message": why}
+        repair.begin(slot)
+        try:
+            address = await self._holder_of(repair.spec.inputs[slot], avoid=dead)
+        except Exception as e:
+            repair.abandon(slot)
+            return {"status": "error", "message": f"{type(e).__name__}: {e}"}
+        if repair.closed:
+            repair.abandon(slot)
+            return {"status": "error", "message": f"reduction {self.rid} is no longer running"}
+        spec = repair.replaced(slot, address)
+        task = asyncio.create_task(self._start_node(spec, slot, offset))
+        self.current[slot] = task
+        self.joined.put_nowait((slot, task))
+        logger.info(
+            "reduction %s: node %d on %s died; replaced on %s from byte %d",
+            self.rid,
+            slot,
+            dead,
+            address,
+            offset,
+        )
+        return {"status": "OK", "address": address}
+
+    async def _why_not_dead(self, slot: int, dead: str) -> str | None:
+        """Why node ``slot`` does not count as dead (None: its worker died).
+        Its own call tells a dead worker (the call breaks) from a node that
+        failed on its own (it answers): wait for it, briefly."""
+        task = self.current.get(slot)
+        if task is not None:
+            await asyncio.wait({task}, timeout=self.ctx.config.stall_timeout)
+        if task is None or not task.done() or task.cancelled():
+            return f"node {slot} on {dead} is not known to have died"
+        e = task.exception()
+        if not (isinstance(e, NodeFailed) and e.unreachable):
+            return f"node {slot} on {dead} failed: {e}"
+        return None
+
+    async def _holder_of(self, key: Key, avoid: str) -> str:
+        """A worker holding ``key`` other than ``avoid``, waiting while the
+        scheduler recomputes it."""
+        who_has = await wait_for_holders(
+            self.ctx.worker.scheduler,
+            [key],
+            lambda _, holders: bool(set(holders) - {avoid}),
+            queue_timeout=self.ctx.config.queue_timeout,
+            poll=0.05,
+        )
+        return sorted(set(who_has[key]) - {avoid})[0]
+
+
+class ReduceRoots:
+    """Runs the reductions whose root is on this worker."""
+
+    def __init__(
+        self, ctx: WorkerContext, reductions: RunningReductions, nodes: ReduceNodes
+    ) -> None:
+        self.ctx = ctx
+        self.reductions = reductions
+        self.nodes = nodes
+
+    async def run(self, value: Any, spec_msg: dict[str, Any]) -> Any:
+        """The result of the reduction ``spec_msg`` rooted here (``value``: the
+        root's input), restarting a plain reduction whose tree broke."""
+        ctx = self.ctx
+        spec = ReduceSpec.from_msg(spec_msg)
+        root = spec.root
+        value = check_input(value, spec.inputs[root])
+        # The root's input defines the shape and dtype every input must have.
+        spec = dataclasses.replace(spec, shape=value.shape, dtype=value.dtype.str)
+        restartable = not spec.copies and spec.segment is None
+        if spec.addresses[root] != ctx.address:  # Dask ran the root elsewhere
+            spec = await self._relocated(spec, set())
+        failed: set[str] = set()  # workers that did not answer their node's call
+        for attempt in range(ctx.config.max_resumes + 1):
+            try:
+                t1 = time.monotonic()
+                result = await self._attempt(spec, value)
+                logger.debug("reduction %s took %.2fs", spec.rid, time.monotonic() - t1)
+                break
+            except ReduceInputError:
+                raise
+            except Exception as e:
+                if not restartable or attempt == ctx.config.max_resumes:
+                    raise
+                if isinstance(e, NodeFailed) and e.unreachable:
+                    failed.add(e.address)
+                spec = await self._restart(spec, e, failed)
+        if not spec.children(root):  # a single input: its buffer is the input itself
+            result = result.copy()
+        resolve_op(spec.op).finish(result, len(spec.inputs))
+        return result
+
+    async def _attempt(self, spec: ReduceSpec, value: Any) -> Any:
+        # With allreduce copies, the first one streams the root's partial result
+        # while it fills: hold it until that copy has all of it (and only then
+        # finish a mean in place). Registered before the node runs, so that a
+        # copy finishing early is not missed.
+        key = spec.partial_key(spec.root)
+        async with self.reductions.held_until_sent(key, hold=bool(spec.copies)):
+            return await TreeRoot(self.ctx, self.reductions, self.nodes, spec).run(value)
+
+    async def _restart(self, spec: ReduceSpec, error: Exception, avoid: set[str]) -> ReduceSpec:
+        logger.warning(
+            "reduction %s broke (%s: %s); restarting with the inputs located again",
+            spec.rid,
+            type(error).__name__,
+            error,
+        )
+        self.ctx.count("reduce-restarts")
+        t0 = time.monotonic()
+        new = await self._relocated(spec, avoid)
+        logger.info(
+            "reduction %s restarts as %s: inputs located again in %.2fs",
+            spec.rid,
+            new.rid,
+            time.monotonic() - t0,
+        )
+        logger.debug("reduction %s: parents %s, workers %s", new.rid, new.parent, new.addresses)
+        return new
+
+    async def _relocated(self, spec: ReduceSpec, avoid: set[str]) -> ReduceSpec:
+        """``spec`` with a new id and every input's current holder (this worker
+        for the root's), waiting while the scheduler recomputes lost inputs;
+        holders in ``avoid`` (they just failed) only if there is no other."""
+        cfg = self.ctx.config
+        keys = list(spec.inputs)
+        # A worker that just failed is often dead but not yet removed by the
+        # scheduler: give it a stall timeout to drop out of who_has before
+        # using it again as the only holder of an input.
+        shun_until = time.monotonic() + cfg.stall_timeout
+        while True:
+            who_has = await wait_for_holders(
+                self.ctx.worker.scheduler,
+                keys,
+                lambda _, holders: bool(holders),
+                queue_timeout=cfg.queue_timeout,
+                poll=0.1,
+            )
+            shunned = [
+                k for slot, k in enumerate(keys) if slot != spec.root and set(who_has[k]) <= avoid
+            ]
+            if not shunned or time.monotonic() > shun_until:
+                break
+            await asyncio.sleep(0.1)
+        addresses = []
+        for slot, key in enumerate(keys):
+            holders = who_has[key]
+            if slot == spec.root:
+                addresses.append(self.ctx.address)
+            elif spec.addresses[slot] in holders and spec.addresses[slot] not in avoid:
+                addresses.append(spec.addresses[slot])
+            else:
+                good = [h for h in holders if h not in avoid] or holders
+                addresses.append(good[0])
+        # A lost input is often recomputed on a worker holding another one:
+        # put the two next to each other in the tree.
+        order = colocated_order(spec.parent, addresses, spec.root)
+        return dataclasses.replace(
+            spec,
+            rid=uuid.uuid4().hex,
+            inputs=tuple(keys[i] for i in order),
+            addresses=tuple(addresses[i] for i in order),
+        )
+
+    async def plan_rooted_at(
+        self, n: int, size: int, slot: int, addresses: list[str]
+    ) -> tuple[ReduceTree, list[int]]:
+        """A tree for ``n`` inputs of ``size`` bytes shaped by the measured
+        network, and the order of the inputs (held by ``addresses``) over its
+        positions that puts input ``slot`` at the root (the root's operand
+        must be local) and the inputs of one worker next to each other."""
+        net = await network_estimate(self.ctx.worker.scheduler)
+        plan = plan_reduce_tree(n, max_chain_length(size, net.bandwidth, net.latency))
+        return plan, colocated_order(plan.parent, addresses, slot)

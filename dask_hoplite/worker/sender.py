@@ -1,0 +1,98 @@
+"""Serving streams: the ``hoplite_stream`` peer handler.
+
+A peer asks for a key from a byte offset (:mod:`dask_hoplite.core.protocol`).
+The sender serves it from this worker's buffer of the key (complete, or still
+filling: a relay forwards bytes as they land), from the object in
+``worker.data`` serialised once (zero-copy for numpy arrays), or, for a
+reduce node's partial result, from the buffer the node announces (waiting for
+the node to start if the parent asked first).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dask.typing import Key
+from distributed.comm.core import Comm, CommClosedError
+from distributed.core import Status
+
+from dask_hoplite.core.protocol import StreamRequest, error_reply
+from dask_hoplite.core.reduce_spec import is_partial_key
+from dask_hoplite.core.store import BufferState, ObjectBuffer
+from dask_hoplite.errors import ProtocolError
+from dask_hoplite.streams import send_stream, wait_progress
+from dask_hoplite.worker.context import WorkerContext
+from dask_hoplite.worker.reductions import RunningReductions
+
+logger = logging.getLogger(__name__)
+
+
+class Sender:
+    """Streams keys out of this worker to peers that ask."""
+
+    def __init__(self, ctx: WorkerContext, reductions: RunningReductions) -> None:
+        self.ctx = ctx
+        self.reductions = reductions
+
+    async def source(self, key: Key) -> ObjectBuffer | None:
+        """The buffer to serve ``key`` from (None: this worker has no copy)."""
+        store = self.ctx.store
+        buf = store.get(key)
+        if buf is not None and buf.state is not BufferState.FAILED:
+            return buf
+        if is_partial_key(key):
+            # A reduce node's partial result: its node may not have started yet.
+            if not await self.reductions.wait_announced(key):
+                return None
+            return store.get(key)
+        data = self.ctx.worker.data
+        if key not in data:
+            return None
+        header, frames = await self.ctx.serialize(data[key])
+        return store.add_source(key, header, frames)
+
+    async def _open(self, req: StreamRequest) -> ObjectBuffer:
+        """The buffer for ``req``, its layout known; raises what to refuse with."""
+        buf = await self.source(req.key)
+        if buf is None:
+            raise ProtocolError(f"worker {self.ctx.address} holds no copy of key {req.key!r}")
+        if buf.layout is None:  # announced, the receiver's own sender not connected yet
+            await wait_progress(buf, 0, self.ctx.config.stall_timeout)
+        assert buf.layout is not None
+        if req.offset > buf.layout.nbytes:
+            raise ProtocolError(
+                f"offset {req.offset} is past the end of {req.key!r} ({buf.layout.nbytes} bytes)"
+            )
+        return buf
+
+    async def handle_stream(self, comm: Comm, **msg: Any) -> Status:
+        """Peer handler ``hoplite_stream``: stream a key from a byte offset."""
+        ctx = self.ctx
+        try:
+            req = StreamRequest.parse(msg)
+            buf = await self._open(req)
+        except Exception as e:
+            logger.info("refusing hoplite stream to %s: %s", comm.peer_address, e)
+            ctx.count("requests-refused")
+            try:
+                await comm.write(error_reply(str(e)))
+            except (CommClosedError, OSError):
+                pass
+            return Status.dont_reply
+        try:
+            n = await send_stream(
+                comm,
+                buf,
+                req,
+                window_bytes=ctx.config.window_bytes,
+                stall_timeout=ctx.config.stall_timeout,
+            )
+            ctx.count("bytes-sent", n)
+            if req.offset + n == buf.nbytes:
+                self.reductions.sent(req.key)
+        except Exception as e:
+            logger.info("hoplite stream of %r to %s ended: %s", req.key, comm.peer_address, e)
+            ctx.count("streams-aborted")
+            comm.abort()
+        return Status.dont_reply

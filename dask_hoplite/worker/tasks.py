@@ -1,0 +1,59 @@
+"""The functions the collectives submit as Dask tasks.
+
+:mod:`dask_hoplite.collectives` submits these (pickled by reference) to the
+workers that hold the inputs; each finds the worker part on the worker it runs
+on and hands over to it: the root of a reduction, an allreduce copy, a part of
+a segmented allreduce, a small allreduce's copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed import get_worker
+from distributed.worker import Worker
+
+from dask_hoplite.worker.context import PLUGIN_NAME, run_on_loop
+from dask_hoplite.worker.plugin import HopliteWorker, WorkerParts
+
+
+def worker_part(w: Worker) -> WorkerParts:
+    """Worker ``w``'s hoplite components, or a clear error if the worker part
+    is not installed there."""
+    plugin = w.plugins.get(PLUGIN_NAME)
+    if not isinstance(plugin, HopliteWorker) or not plugin.running:
+        raise RuntimeError(
+            f"dask-hoplite's worker part is not installed on {w.address}: "
+            "register dask_hoplite.Hoplite() first"
+        )
+    return plugin.parts
+
+
+def reduce_root(value: Any, spec: dict[str, Any]) -> Any:
+    """A reduction's root (runs on the root input's worker)."""
+    w = get_worker()
+    part = worker_part(w)
+    if spec.get("copies"):
+        return run_on_loop(w, part.allreduce.run_root, value, spec)
+    return run_on_loop(w, part.roots.run, value, spec)
+
+
+def allreduce_copy(spec: dict[str, Any], j: int) -> Any:
+    """Allreduce copy ``j`` (runs on that copy's worker)."""
+    w = get_worker()
+    return run_on_loop(w, worker_part(w).allreduce.run_copy, spec, j)
+
+
+def allreduce_part(value: Any, specs: list[dict[str, Any]], i: int) -> Any:
+    """Part ``i`` of a segmented allreduce (runs on the i-th worker)."""
+    w = get_worker()
+    return run_on_loop(w, worker_part(w).allreduce.run_part, value, specs, i)
+
+
+async def small_copy(req: dict[str, Any]) -> Any:
+    """A small allreduce's copy (runs on the copy's worker). A coroutine: Dask
+    runs it on the worker's event loop, with no thread to hand over to and
+    back, and cancels it when the copy is released."""
+    return await worker_part(get_worker()).small_allreduce.pull_result(
+        req["result"], req["root"], req["op"], req["inputs"], req["key"]
+    )
