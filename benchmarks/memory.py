@@ -36,7 +36,7 @@ def _rss(dask_worker=None) -> int:
 
 def _hoplite_buffers(dask_worker) -> int:
     p = dask_worker.plugins["hoplite-worker"]
-    return len(p.store) + len(p._fetching)
+    return len(p.store) + len(p.parts.receiver.fetching)
 
 
 def _received(dask_worker) -> int:

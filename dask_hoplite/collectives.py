@@ -94,17 +94,7 @@ async def _reduce_async(
     k = n if k is None else k
     if not isinstance(k, int) or not 1 <= k <= n:
         raise ValueError(f"k must be an int in [1, {n}] (the number of inputs), got {k!r}")
-    # The first k inputs to be ready are reduced (an input that failed is
-    # reported as soon as it does).
-    chosen: list[Future] = []
-    async for f in as_completed(futures):
-        if f.status == "error":
-            raise RuntimeError(f"input {f.key!r} of the reduction failed") from (
-                await f.exception()
-            )
-        chosen.append(f)
-        if len(chosen) == k:
-            break
+    chosen = await _first_ready(futures, k)
     keys = [f.key for f in chosen]
     who_has, nbytes, net = await _locate(client, keys)
     addresses = []
@@ -125,16 +115,46 @@ async def _reduce_async(
     distinct = list(dict.fromkeys(addresses))
     if copies and len(distinct) >= 3 and size // len(distinct) >= cfg.segment_min_bytes:
         return _allreduce_segmented(client, chosen, addresses, distinct, rop.name, net, size, cfg)
-    plan = plan_reduce_tree(k, max_chain_length(size, net.bandwidth, net.latency))
+    return _reduce_tree(client, chosen, addresses, rop.name, net, size, cfg, copies)
+
+
+async def _first_ready(futures: list[Future], k: int) -> list[Future]:
+    """The first ``k`` of ``futures`` to be ready (an input that failed is
+    reported as soon as it does)."""
+    chosen: list[Future] = []
+    async for f in as_completed(futures):
+        if f.status == "error":
+            raise RuntimeError(f"input {f.key!r} of the reduction failed") from (
+                await f.exception()
+            )
+        chosen.append(f)
+        if len(chosen) == k:
+            break
+    return chosen
+
+
+def _reduce_tree(
+    client: Client,
+    chosen: list[Future],
+    addresses: list[str],
+    op: str,
+    net: NetworkEstimate,
+    size: int,
+    cfg: HopliteConfig,
+    copies: bool,
+) -> list[Future]:
+    """Submit one reduce tree over ``chosen`` (held by ``addresses``): the
+    root's task, and with ``copies`` one allreduce copy per other worker."""
+    plan = plan_reduce_tree(len(chosen), max_chain_length(size, net.bandwidth, net.latency))
     # Inputs of one worker next to each other in the tree (their combination
     # then crosses no NIC); the input at the root's position stays there.
     order = colocated_order(plan.parent, addresses, plan.root)
     chosen = [chosen[i] for i in order]
-    keys = [keys[i] for i in order]
+    keys = [f.key for f in chosen]
     addresses = [addresses[i] for i in order]
     spec = ReduceSpec(
         rid=uuid.uuid4().hex,
-        op=rop.name,
+        op=op,
         inputs=tuple(keys),
         addresses=tuple(addresses),
         parent=plan.parent,
@@ -149,7 +169,7 @@ async def _reduce_async(
         tasks.reduce_root,
         chosen[root],
         spec.to_msg(),
-        key=f"hoplite-reduce-{rop.name}-{spec.rid}",
+        key=f"hoplite-reduce-{op}-{spec.rid}",
         workers=[addresses[root]],
         # the root survives the death of its worker: Dask runs it elsewhere
         # and it locates the inputs again (an allreduce root reduces anew)
@@ -165,7 +185,7 @@ async def _reduce_async(
             tasks.allreduce_copy,
             spec.to_msg(),
             j,
-            key=f"hoplite-allreduce-{rop.name}-{spec.rid}-{j}",
+            key=f"hoplite-allreduce-{op}-{spec.rid}-{j}",
             workers=[addr],
             allow_other_workers=True,  # a dead worker's copy is made elsewhere
             pure=False,
@@ -216,7 +236,7 @@ def _allreduce_segmented(
     addresses: list[str],
     distinct: list[str],
     op: str,
-    net: Any,
+    net: NetworkEstimate,
     size: int,
     cfg: HopliteConfig,
 ) -> list[Future]:

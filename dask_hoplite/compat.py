@@ -1,10 +1,19 @@
-"""The range of ``distributed`` that dask-hoplite is tested against.
+"""Every private internal of ``distributed`` and ``dask`` that dask-hoplite
+touches, in one list, and the range of releases it is tested against.
 
-The worker part overrides private internals of ``distributed``
-(``Worker.gather_dep``, the ``GatherDep*Event`` classes, ``worker.state.tasks``,
-the Active Memory Manager's ``_find_dropper``, ``Scheduler.replicate``). They have
-been stable for years, but a release outside the tested range could change them
-silently, so the plugin refuses to start there instead of misbehaving.
+The worker part overrides or calls internals such as ``Worker.gather_dep``, the
+``GatherDep*Event`` classes, ``worker.state.tasks``, the Active Memory
+Manager's ``_find_dropper`` and ``Scheduler._create_taskstate_from_graph``.
+They have been stable for years, but a release could change them silently, so:
+
+* the plugin refuses to start outside :data:`TESTED_RANGE`
+  (:func:`check_distributed_version`);
+* :data:`PRIVATE_INTERNALS` names each internal, where it is used and what
+  dask-hoplite relies on (its existence, the parameters it is called with or
+  overridden by); :func:`check_internals` checks them against a live worker,
+  scheduler or the classes, and ``tests/test_compat.py`` runs it on every
+  release the suite is run against, failing with a message that names the
+  internal and what changed.
 
 It also holds the workarounds for behaviour of the tested releases that
 dask-hoplite must not rely on (:func:`worker_addresses`).
@@ -12,8 +21,11 @@ dask-hoplite must not rely on (:func:`worker_addresses`).
 
 from __future__ import annotations
 
-__all__ = ["UnsupportedDistributed", "check_distributed_version", "worker_addresses"]
-
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import distributed
@@ -21,8 +33,115 @@ from packaging.version import Version
 
 from dask_hoplite.errors import UnsupportedDistributed
 
+__all__ = [
+    "PRIVATE_INTERNALS",
+    "TESTED_RANGE",
+    "Internal",
+    "UnsupportedDistributed",
+    "check_distributed_version",
+    "check_internals",
+    "worker_addresses",
+]
+
 #: Inclusive lower and exclusive upper bound of the tested releases.
 TESTED_RANGE = (Version("2026.8.0"), Version("2026.9.0"))
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One private internal dask-hoplite relies on.
+
+    ``path``: dotted path, a module then attributes (``distributed.worker.Worker.gather_dep``);
+    the attributes after a class may be instance attributes, resolved on a
+    live instance when one is given. ``params``: for a callable, the
+    parameter names dask-hoplite passes or overrides with, in order (``self``
+    excluded); ``exact``: the callable's parameters must be exactly these
+    (an override must accept everything Dask passes). ``fields``: for a
+    dataclass, the fields dask-hoplite reads or builds it with.
+    """
+
+    path: str
+    used_by: str
+    why: str
+    params: tuple[str, ...] | None = None
+    exact: bool = False
+    fields: tuple[str, ...] | None = None
+
+
+_W = "distributed.worker.Worker"
+_WSM = "distributed.worker_state_machine"
+_S = "distributed.scheduler.Scheduler"
+
+PRIVATE_INTERNALS: tuple[Internal, ...] = (
+    # ---- the worker part
+    Internal(f"{_W}.gather_dep", "worker/receiver.py", "replaced on the instance to take large keys",
+             ("worker", "to_gather", "total_nbytes", "stimulus_id"), exact=True),
+    Internal(f"{_W}.gather", "worker/receiver.py", "worker.handlers['gather'] is wrapped (replicate, scatter broadcast)",
+             ("who_has",), exact=True),
+    Internal(f"{_W}.handle_stimulus", "worker/aggregate.py", "replaced on the instance to rewrite aggregate tasks",
+             ("stims",), exact=True),
+    Internal(f"{_W}.update_data", "worker/receiver.py", "stores what the gather endpoint fetched",
+             ("data", "stimulus_id")),
+    Internal(f"{_W}.batched_send", "worker/context.py", "sends hoplite-finished/-released", ("msg",)),
+    Internal(f"{_W}.batched_stream", "worker/context.py", "checked open before sending"),
+    Internal(f"{_W}.periodic_callbacks", "worker/plugin.py", "the buffer pool's trim callback"),
+    Internal(f"{_W}.latency", "worker/receiver.py", "reported to the network model"),
+    Internal(f"{_W}.rpc", "streams.py", "the worker's ConnectionPool for block streams"),
+    Internal(f"{_W}.state.tasks", "worker/context.py", "a key's nbytes and state on the worker"),
+    Internal(f"{_W}.state.log", "worker/receiver.py", "hoplite's receive events in the worker's log"),
+    Internal(f"{_WSM}.WorkerState.tasks", "worker/context.py", "per-key TaskState"),
+    Internal(f"{_WSM}.TaskState.nbytes", "worker/context.py", "decides which keys are large"),
+    Internal(f"{_WSM}.GatherDepSuccessEvent", "worker/receiver.py", "returned by the gather_dep override",
+             fields=("stimulus_id", "worker", "total_nbytes", "data")),
+    Internal(f"{_WSM}.ComputeTaskEvent", "worker/aggregate.py", "rewritten for aggregate tasks",
+             fields=("key", "who_has", "nbytes", "run_spec")),
+    Internal(f"{_WSM}.SecedeEvent", "worker/small_allreduce.py", "a coroutine task leaves its thread slot",
+             fields=("stimulus_id", "key", "compute_duration")),
+    Internal("distributed.worker.WORKER_ANY_RUNNING", "worker/receiver.py", "worker statuses that fetch"),
+    Internal("distributed.worker.get_data_from_worker", "worker/receiver.py", "fallback fetch of a part",
+             ("rpc", "keys", "worker", "who")),
+    Internal("distributed.core.ConnectionPool.connect", "streams.py", "opens block-stream comms", ("addr",)),
+    Internal("distributed.core.ConnectionPool.reuse", "streams.py", "gives comms back", ("addr", "comm"), exact=True),
+    Internal("distributed.comm.tcp.TCP.stream", "streams.py", "raw mode reads/writes the tornado stream"),
+    # ---- the scheduler part
+    Internal(f"{_S}.handlers", "scheduler/plugin.py", "hoplite's RPCs and the replicate override"),
+    Internal(f"{_S}.stream_handlers", "scheduler/plugin.py", "hoplite-finished/-released"),
+    Internal(f"{_S}.extensions", "scheduler/amm.py", "finds the Active Memory Manager"),
+    Internal(f"{_S}._create_taskstate_from_graph", "scheduler/graph_rewrite.py",
+             "replaced on the instance to rewrite array/bag aggregates", ("dsk", "keys", "ordered")),
+    Internal("distributed.active_memory_manager.ActiveMemoryManagerExtension._find_dropper",
+             "scheduler/amm.py", "replaced on the instance to spare replicas under a stream",
+             ("ts", "candidates", "pending_drop"), exact=True),
+    Internal(f"{_S}.replicate", "scheduler/replicate.py", "replaced on the instance (scatter broadcast)",
+             ("keys", "n", "workers", "branching_factor", "delete", "stimulus_id"), exact=True),
+    Internal(f"{_S}._replica_lock", "scheduler/replicate.py", "serialises replicate with the AMM"),
+    Internal(f"{_S}.gather_on_worker", "scheduler/replicate.py", "asks a worker to fetch replicas",
+             ("worker_address", "who_has")),
+    Internal(f"{_S}.delete_worker_data", "scheduler/replicate.py", "drops excess replicas",
+             ("worker_address", "keys", "stimulus_id")),
+    Internal(f"{_S}.workers_list", "scheduler/replicate.py", "resolves replicate's workers", ("workers",)),
+    Internal(f"{_S}.register_worker_plugin", "scheduler/plugin.py", "installs the worker part",
+             ("comm", "plugin", "name", "idempotent")),
+    Internal(f"{_S}.tasks", "scheduler/plugin.py", "a key's TaskState"),
+    Internal(f"{_S}.workers", "scheduler/replicate.py", "WorkerState by address"),
+    Internal(f"{_S}.running", "scheduler/replicate.py", "the running workers (replicate's pool)"),
+    Internal("distributed.scheduler.WorkerState.status", "scheduler/replicate.py", "running or not"),
+    Internal("distributed.scheduler.TaskState.state", "scheduler", "memory, released, erred..."),
+    Internal("distributed.scheduler.TaskState.nbytes", "scheduler", "decides which keys are large"),
+    Internal("distributed.scheduler.TaskState.who_has", "scheduler", "holders of a key"),
+    Internal("distributed.scheduler.TaskState.processing_on", "scheduler/queries.py", "where a task runs"),
+    # ---- dask's task spec and the aggregates the graph rewrite recognises
+    Internal("dask._task_spec.Task.fuse", "core/graph_reduce.py", "re-fuses a chain around an aggregate"),
+    Internal("dask._task_spec._execute_subgraph", "core/graph_reduce.py", "marks a fused task"),
+    Internal("dask._task_spec._identity_cast", "core/aggregates.py", "list-building tasks"),
+    Internal("dask.array.core._concatenate2", "core/aggregates.py", "array aggregates"),
+    Internal("dask.array.reductions.mean_agg", "core/aggregates.py", "mean aggregates"),
+    Internal("dask.array.reductions.mean_combine", "core/aggregates.py", "mean aggregates"),
+    Internal("dask.array.reductions.chunk_max", "core/aggregates.py", "max aggregates"),
+    Internal("dask.array.reductions.chunk_min", "core/aggregates.py", "min aggregates"),
+    Internal("dask.bag.core._reduce", "core/aggregates.py", "bag folds"),
+    Internal("dask.bag.core.empty_safe_aggregate", "core/aggregates.py", "bag aggregates"),
+)  # fmt: skip
 
 
 def installed_distributed_version() -> str:
@@ -43,6 +162,103 @@ def check_distributed_version(version: str | None = None) -> None:
             f"dask-hoplite is tested with distributed >= {low}, < {high}; this process "
             f"runs distributed {version}. Install a tested release "
             f"(pip install 'distributed>={low},<{high}') or a dask-hoplite that supports {version}."
+        )
+
+
+class _NeedsInstance(Exception):
+    """The attribute exists on instances only, and none was given."""
+
+
+def _resolve(path: str, instances: Mapping[type, Any]) -> Any:
+    """The object at ``path``: the longest importable module prefix, then
+    attributes; one that only instances of a class have is taken from the
+    live instance of that class in ``instances``."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        break
+    else:
+        raise AttributeError(f"no module in {path!r} can be imported")
+    for name in parts[i:]:
+        if isinstance(obj, type) and not hasattr(obj, name):
+            # An instance attribute. (A class attribute is read on the class:
+            # on a live instance it may be hoplite's own override.)
+            live = next((v for t, v in instances.items() if issubclass(t, obj)), None)
+            if live is None:
+                if _set_on_instances(obj, name):
+                    raise _NeedsInstance(obj.__qualname__)
+                raise AttributeError(f"{obj.__qualname__} has no attribute {name!r}")
+            obj = getattr(live, name)
+        else:
+            obj = getattr(obj, name)
+    return obj
+
+
+def _set_on_instances(cls: type, name: str) -> bool:
+    """Whether ``cls`` or a base declares ``name`` for its instances: an
+    annotation, or an assignment ``self.name = ...`` in its ``__init__``."""
+    for c in cls.__mro__:
+        if name in getattr(c, "__annotations__", {}):
+            return True
+        init = c.__dict__.get("__init__")
+        try:
+            if init is not None and f"self.{name} =" in inspect.getsource(init):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def _problem(internal: Internal, instances: Mapping[type, Any], complete: bool) -> str | None:
+    try:
+        obj = _resolve(internal.path, instances)
+    except _NeedsInstance as e:
+        return None if not complete else f"it needs a live {e} to be checked"
+    except AttributeError as e:
+        return f"it is gone ({e})"
+    if internal.params is not None:
+        try:
+            params = [p for p in inspect.signature(obj).parameters if p != "self"]
+        except (TypeError, ValueError) as e:
+            return f"its signature cannot be read ({e})"
+        wanted = list(internal.params)
+        if internal.exact and params != wanted:
+            return f"its parameters are {params}, dask-hoplite overrides it with {wanted}"
+        if not internal.exact and not set(wanted) <= set(params):
+            return f"its parameters are {params}, dask-hoplite passes {wanted}"
+    if internal.fields is not None:
+        have = {f.name for f in dataclasses.fields(obj)}
+        if not set(internal.fields) <= have:
+            return f"its fields are {sorted(have)}, dask-hoplite uses {list(internal.fields)}"
+    return None
+
+
+def check_internals(
+    instances: Iterable[Any] = (),
+    internals: Iterable[Internal] = PRIVATE_INTERNALS,
+    *,
+    complete: bool = False,
+) -> None:
+    """Raise :class:`UnsupportedDistributed` naming every internal of
+    ``internals`` that is gone or changed.
+
+    Attributes that only instances have (declared on the class, set in
+    ``__init__``) are checked on the live objects in ``instances`` (a Worker,
+    a Scheduler, a comm); without one they are skipped, or, with
+    ``complete``, reported."""
+    live = {type(x): x for x in instances}
+    problems = [
+        f"{i.path} (used by dask_hoplite/{i.used_by}: {i.why}): {p}"
+        for i in internals
+        if (p := _problem(i, live, complete)) is not None
+    ]
+    if problems:
+        raise UnsupportedDistributed(
+            f"dask-hoplite relies on private internals of distributed/dask that changed in "
+            f"distributed {installed_distributed_version()}:\n  " + "\n  ".join(problems)
         )
 
 

@@ -152,8 +152,8 @@ async def test_registering_twice_installs_once_and_keeps_working(c, s, a, b):
     assert s.handlers["hoplite_request"] != first  # the new instance took over
     assert [p for p in s.plugins.values() if isinstance(p, Hoplite)].__len__() == 1
     # the original replicate was restored before re-wrapping, not wrapped twice
-    assert s.handlers["replicate"].__self__ is s.plugins["hoplite"]
-    assert s.plugins["hoplite"]._originals["replicate"].__self__ is s
+    assert s.handlers["replicate"].__self__ is s.plugins["hoplite"].replicator
+    assert s.plugins["hoplite"].replicator.original.__self__ is s
     x = c.submit(np.arange, 100_000, workers=[a.address])
     assert await c.submit(checksum, x, workers=[b.address]) == float(np.arange(100_000).sum())
     assert stats([b], "keys-received") == [1]

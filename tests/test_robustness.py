@@ -110,3 +110,19 @@ def test_check_distributed_version_messages():
     for bad in ["2026.9.0", "2025.1.0", "not-a-version"]:
         with pytest.raises(UnsupportedDistributed):
             check_distributed_version(bad)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_untested_distributed_is_refused_by_the_worker_part_too(c, s, a):
+    """The worker part overrides most of the internals: it checks the release
+    itself, also when registered without the scheduler part."""
+    orig = dask_hoplite.compat.installed_distributed_version
+    dask_hoplite.compat.installed_distributed_version = lambda: "2024.1.0"
+    try:
+        with pytest.raises(
+            Exception, match=r"tested with distributed >= 2026.8.0.*runs distributed 2024.1.0"
+        ):
+            await c.register_plugin(HopliteWorker(), name="hoplite-worker")
+    finally:
+        dask_hoplite.compat.installed_distributed_version = orig
+    assert "gather_dep" not in a.__dict__ and STREAM_OP not in a.handlers

@@ -10,7 +10,7 @@ outputs keep the reduced axes with extent 1, then a tree of *aggregate* tasks
 that tree is a whole-object fetch and each level waits for the one below.
 
 Why this integration point (the scheduler's graph, see
-:meth:`dask_hoplite.scheduler.Hoplite._create_taskstate_from_graph`):
+:class:`dask_hoplite.scheduler.graph_rewrite.GraphRewrite`):
 
 * Annotations and task names do not survive low-level fusion; the *functions* of
   the aggregate tasks do, and the scheduler sees the graph after all client- and
@@ -24,7 +24,7 @@ Why this integration point (the scheduler's graph, see
   correct on its own (a worker without the plugin just runs it); the worker
   part recognises it when the task arrives and, when the parts are large,
   reduces them where they live with a pipelined tree instead of fetching them
-  (:meth:`dask_hoplite.worker.HopliteWorker.run_graph_reduce`).
+  (:class:`dask_hoplite.worker.aggregate.AggregateTakeover`).
 
 Rewrite rules (:func:`rewrite_graph`, pure: a dict of tasks in, a dict out):
 
@@ -40,7 +40,7 @@ dask.bag (``Bag.fold`` / ``Bag.reduction`` / ``Bag.sum``) builds the same shape:
 per-partition tasks, then a ``split_every`` tree (8 by default) of
 ``empty_safe_aggregate(aggregate, parts, is_last)`` tasks. An aggregate is
 recognised when it folds its parts with a binary operator that is elementwise,
-associative and commutative on numpy arrays (:data:`BAG_BINOPS`: ``operator.add``,
+associative and commutative on numpy arrays (:data:`~dask_hoplite.core.aggregates.BAG_BINOPS`: ``operator.add``,
 ``np.add``, ``np.maximum``, ...), written as ``fold(binop)`` /
 ``fold(binop, combine)`` builds it, or is the builtin ``sum`` of ``Bag.sum()``.
 The partial results become inputs of a reduce tree when they turn out to be
@@ -51,232 +51,23 @@ fetched parts, with the same result as without the plugin.
 
 from __future__ import annotations
 
-import functools
 import logging
-import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from dask._task_spec import (
-    Alias,
     DataNode,
     Task,
     TaskRef,
     _execute_subgraph,
-    _identity_cast,
 )
 from dask.typing import Key
 
+from dask_hoplite.core.aggregates import Aggregate, recognize
+
 logger = logging.getLogger(__name__)
-
-#: Fields of the per-chunk results of ``mean``: dicts of arrays, each summed.
-MEAN_FIELDS = ("n", "total")
-
-
-def _reduce_functions() -> dict[Any, str]:
-    table: dict[Any, str] = {}
-    for fn, op in [
-        (np.sum, "sum"),
-        (np.prod, "prod"),
-        (np.min, "min"),
-        (np.max, "max"),
-        (np.amin, "min"),
-        (np.amax, "max"),
-    ]:
-        table[fn] = op
-    try:
-        from dask.array import chunk
-
-        for name, op in [("sum", "sum"), ("prod", "prod"), ("min", "min"), ("max", "max")]:
-            chunk_fn = getattr(chunk, name, None)
-            if chunk_fn is not None:
-                table[chunk_fn] = op
-        from dask.array.reductions import chunk_max, chunk_min
-
-        table[chunk_max] = "max"  # np.max/np.min that let empty chunks through
-        table[chunk_min] = "min"
-    except ImportError:  # pragma: no cover - dask.array needs numpy, which we have
-        pass
-    return table
-
-
-def _mean_functions() -> set[Any]:
-    try:
-        from dask.array.reductions import mean_agg, mean_combine
-    except ImportError:  # pragma: no cover
-        return set()
-    return {mean_agg, mean_combine}
-
-
-_REDUCE_FUNCTIONS = _reduce_functions()
-_MEAN_FUNCTIONS = _mean_functions()
-
-#: Binary operators of dask.bag folds that combine two numpy arrays of one
-#: shape elementwise, associatively and commutatively (so a tree may combine
-#: the parts in any order), and the numpy ufunc each one calls on arrays.
-BAG_BINOPS: dict[Any, str] = {
-    operator.add: "add",
-    operator.mul: "multiply",
-    operator.and_: "bitwise_and",
-    operator.or_: "bitwise_or",
-    operator.xor: "bitwise_xor",
-    **{
-        getattr(np, name): name
-        for name in [
-            "add",
-            "multiply",
-            "maximum",
-            "minimum",
-            "fmax",
-            "fmin",
-            "bitwise_and",
-            "bitwise_or",
-            "bitwise_xor",
-            "logical_and",
-            "logical_or",
-            "logical_xor",
-        ]
-    },
-}
-
-
-@dataclass(frozen=True)
-class Aggregate:
-    """A recognised aggregate task: ``final(nested parts)``."""
-
-    op: str  # the elementwise combine: sum, prod, min, max, or a ufunc's name (bag)
-    fields: tuple[str, ...] | None  # dict parts (mean): combine each field
-    axes: tuple[int, ...]  # dask.array: the reduced axes; dask.bag: ()
-    keepdims: bool
-    final: Callable[[Any], Any]
-    structure: Any  # nested lists (depth len(axes), 1 for a bag) of part keys
-    bag: bool = False
-    reject: str = ""  # dtype kinds whose parts may not take the tree (see GraphReduce)
-
-    @property
-    def family(self) -> tuple[Any, ...]:
-        return (self.op, self.fields, self.axes, self.bag, self.reject)
-
-    @property
-    def flat(self) -> bool:
-        """Whether the parts form one flat list (what absorption needs)."""
-        return self.bag or len(self.axes) == 1
-
-
-def _nested_keys(node: Any, depth: int) -> Any:
-    """The nested list of keys a list-building task holds, or None."""
-    if depth == 0:
-        if isinstance(node, (Alias, TaskRef)):
-            return node.target if isinstance(node, Alias) else node.key
-        return None
-    if isinstance(node, Task) and node.func is _identity_cast and node.kwargs.get("typ") is list:
-        items = [_nested_keys(a, depth - 1) for a in node.args]
-        if items and all(i is not None for i in items):
-            return items
-    return None
-
-
-def _axes(kw: Mapping[str, Any]) -> tuple[int, ...] | None:
-    axis = kw.get("axis")
-    if isinstance(axis, (tuple, list)) and axis and all(isinstance(a, int) for a in axis):
-        return tuple(axis)
-    return None
-
-
-def _bag_operator(aggregate: Any) -> tuple[str, str] | None:
-    """(ufunc name, rejected dtype kinds) of a dask.bag aggregate function, or
-    None if it is not a recognised elementwise fold."""
-    if aggregate is sum:
-        # sum(parts) is 0 + p0 + p1 + ...: np.add, except that bool parts are
-        # counted (0 + a bool array is an int array), which np.add does not do.
-        return ("add", "b")
-    func = getattr(aggregate, "func", None)
-    args = getattr(aggregate, "args", None)
-    keywords = getattr(aggregate, "keywords", None)
-    try:
-        from dask.bag.core import _reduce
-    except ImportError:  # pragma: no cover - dask.bag needs only toolz
-        return None
-    if (
-        func not in (_reduce, functools.reduce)
-        or keywords
-        or not (isinstance(args, tuple) and len(args) == 1)
-    ):
-        return None
-    try:
-        op = BAG_BINOPS.get(args[0])
-    except TypeError:  # unhashable
-        return None
-    return None if op is None else (op, "")
-
-
-def _recognize_bag(task: Task) -> Aggregate | None:
-    try:
-        from dask.bag.core import empty_safe_aggregate
-    except ImportError:  # pragma: no cover
-        return None
-    if task.func is not empty_safe_aggregate or task.kwargs or len(task.args) != 3:
-        return None
-    aggregate, parts, is_last = (a.value if isinstance(a, DataNode) else a for a in task.args)
-    if not isinstance(is_last, bool):
-        return None
-    found = _bag_operator(aggregate)
-    structure = _nested_keys(parts, 1)
-    if found is None or structure is None:
-        return None
-    final = functools.partial(empty_safe_aggregate, aggregate, is_last=is_last)
-    return Aggregate(found[0], None, (), True, final, structure, bag=True, reject=found[1])
-
-
-def recognize(task: Any) -> Aggregate | None:
-    """The :class:`Aggregate` that ``task`` is, or None."""
-    if isinstance(task, Task) and len(task.args) == 3:
-        return _recognize_bag(task)
-    if not isinstance(task, Task) or task.kwargs or len(task.args) != 1:
-        return None
-    func = task.func
-    fields: tuple[str, ...] | None
-    if isinstance(func, functools.partial) and func.func in _MEAN_FUNCTIONS:
-        kw = func.keywords
-        if set(kw) - {"axis", "keepdims", "dtype"} or func.args:
-            return None
-        op, fields = "sum", MEAN_FIELDS
-    else:
-        # toolz.compose(F, partial(_concatenate2, axes=...)): ``first`` runs first.
-        first, rest = getattr(func, "first", None), getattr(func, "funcs", None)
-        if not (isinstance(rest, tuple) and len(rest) == 1):
-            return None
-        from dask.array.core import _concatenate2
-
-        f = rest[0]
-        if not (
-            isinstance(first, functools.partial)
-            and first.func is _concatenate2
-            and not first.args
-            and set(first.keywords) == {"axes"}
-            and isinstance(f, functools.partial)
-            and not f.args
-        ):
-            return None
-        try:
-            op_name = _REDUCE_FUNCTIONS.get(f.func)
-        except TypeError:  # unhashable
-            return None
-        kw = f.keywords
-        if op_name is None or set(kw) - {"axis", "keepdims", "dtype"}:
-            return None
-        if list(first.keywords["axes"]) != sorted(kw.get("axis") or ()):
-            return None
-        op, fields = op_name, None
-    axes = _axes(kw)
-    if axes is None:
-        return None
-    structure = _nested_keys(task.args[0], len(axes))
-    if structure is None:
-        return None
-    return Aggregate(op, fields, axes, bool(kw.get("keepdims", False)), func, structure)
 
 
 def _depth(template: Any) -> int:
@@ -402,6 +193,57 @@ def unfuse_aggregates(
     return out
 
 
+@dataclass
+class _Absorption:
+    """Which aggregates fold into the aggregate that consumes them: one of
+    the same operator family, not requested by the client, with no other
+    dependent, keeping the reduced axes (or a bag's)."""
+
+    aggs: dict[Key, Aggregate]
+    wanted: set[Key]
+    n_dependents: dict[Key, int]
+
+    @classmethod
+    def of(
+        cls, dsk: Mapping[Key, Any], aggs: dict[Key, Aggregate], keys: Collection[Key]
+    ) -> _Absorption:
+        n_dependents: dict[Key, int] = {}
+        for t in dsk.values():
+            for d in getattr(t, "dependencies", ()):
+                n_dependents[d] = n_dependents.get(d, 0) + 1
+        return cls(aggs, set(keys), n_dependents)
+
+    def able(self, part: Key, into: Aggregate) -> Aggregate | None:
+        """The aggregate ``part`` if it may fold into ``into``, else None."""
+        a = self.aggs.get(part)
+        if (
+            a is not None
+            and part not in self.wanted
+            and self.n_dependents.get(part, 0) == 1
+            and a.family == into.family
+            and into.flat
+            and (a.bag or a.keepdims)
+        ):
+            return a
+        return None
+
+    def expand(self, agg: Aggregate) -> tuple[list[Key], list[Key]]:
+        """(parts, absorbed aggregates) of ``agg`` with every absorbable
+        aggregate below it expanded into its own parts."""
+        parts: list[Key] = []
+        inner_keys: list[Key] = []
+        for part in _flat(agg.structure):
+            inner = self.able(part, agg)
+            if inner is None:
+                parts.append(part)
+            else:
+                sub, sub_inner = self.expand(inner)
+                parts.extend(sub)
+                inner_keys.append(part)
+                inner_keys.extend(sub_inner)
+        return parts, inner_keys
+
+
 def rewrite_graph(
     dsk: Mapping[Key, Any],
     keys: Collection[Key],
@@ -427,41 +269,7 @@ def rewrite_graph(
     aggs = {k: a for k, t in dsk.items() if (a := wanted_kind(t)) is not None}
     if not aggs:
         return dsk, 0
-    wanted = set(keys)
-    n_dependents: dict[Key, int] = {}
-    for t in dsk.values():
-        for d in getattr(t, "dependencies", ()):
-            n_dependents[d] = n_dependents.get(d, 0) + 1
-
-    def absorbable(part: Key, into: Aggregate) -> Aggregate | None:
-        a = aggs.get(part)
-        if (
-            a is not None
-            and part not in wanted
-            and n_dependents.get(part, 0) == 1
-            and a.family == into.family
-            and into.flat
-            and (a.bag or a.keepdims)
-        ):
-            return a
-        return None
-
-    def expand(agg: Aggregate) -> tuple[list[Key], list[Key]]:
-        """(parts, absorbed aggregates) of ``agg`` with every absorbable
-        aggregate below it expanded into its own parts."""
-        parts: list[Key] = []
-        inner_keys: list[Key] = []
-        for part in _flat(agg.structure):
-            inner = absorbable(part, agg)
-            if inner is None:
-                parts.append(part)
-            else:
-                sub, sub_inner = expand(inner)
-                parts.extend(sub)
-                inner_keys.append(part)
-                inner_keys.extend(sub_inner)
-        return parts, inner_keys
-
+    absorb = _Absorption.of(dsk, aggs, keys)
     absorbed: set[Key] = set()
     rewritten: dict[Key, Task] = {}
     # Start at the aggregates no dependent can absorb; a subtree collapses into
@@ -469,12 +277,12 @@ def rewrite_graph(
     # keeps its direct parts and each aggregate among them is tried in turn.
     parts_of = {k: set(_flat(a.structure)) for k, a in aggs.items()}
     todo = [
-        k for k in aggs if not any(k in parts_of[o] and absorbable(k, a) for o, a in aggs.items())
+        k for k in aggs if not any(k in parts_of[o] and absorb.able(k, a) for o, a in aggs.items())
     ]
     while todo:
         key = todo.pop()
         agg = aggs[key]
-        parts, inner = expand(agg) if agg.flat else ([], [])
+        parts, inner = absorb.expand(agg) if agg.flat else ([], [])
         if inner and len(parts) <= max_inputs:
             absorbed.update(inner)
             template: Any = list(range(len(parts)))

@@ -17,8 +17,7 @@ Hoplite's rule (Zhuang et al., 2021, and its reference code): with
 one chain of N nodes, otherwise a full binary tree of ``2**d - 1`` nodes whose
 bottom level carries ``2**d`` chains (two per node) sharing the remaining nodes
 evenly. Nodes are numbered in the order inputs should fill them: an in-order
-walk, so the earliest inputs take slots farthest from the root and the
-reduction starts streaming before the last input exists.
+walk, so the inputs that were ready first take the slots farthest from the root.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from distributed.worker import Worker
 from tornado.ioloop import PeriodicCallback
 
 from dask_hoplite._version import __version__
-from dask_hoplite.compat import check_distributed_version
+from dask_hoplite.compat import check_distributed_version, check_internals
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.protocol import STREAM_OP
 from dask_hoplite.core.store import BlockStore, BufferPool
@@ -114,6 +114,7 @@ class HopliteWorker(WorkerPlugin):
                 "version everywhere. This worker keeps using Dask's own transfers."
             )
         check_distributed_version()
+        check_internals([worker])
         parts = self._parts = WorkerParts.build(worker, HopliteConfig.from_dask_config())
         worker.gather_dep = parts.fetch_paths.gather_dep  # type: ignore[method-assign]
         worker.handlers["gather"] = parts.fetch_paths.gather

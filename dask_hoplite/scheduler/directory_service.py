@@ -1,0 +1,205 @@
+"""The RPC shell around the sans-IO :class:`~dask_hoplite.core.directory.ObjectDirectory`.
+
+The directory decides, as plain data, who streams a large key to whom; it
+never waits and never talks to anyone. This module is the part that does:
+it answers workers' ``hoplite_request`` (parking a request in the directory's
+queue until a sender frees up, or ``hoplite.directory.queue-timeout``), takes
+their ``hoplite-finished`` / ``hoplite-released`` stream messages, feeds it
+Dask's own events (a key's state changed, a worker left), hands each decision
+to the request waiting for it, and reports its state (``hoplite_info``).
+
+It knows nothing of the plugin: it gets the directory, the network model, the
+configuration and a lookup of the scheduler's task states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from dask.typing import Key
+
+from dask_hoplite._version import __version__
+from dask_hoplite.config import HopliteConfig
+from dask_hoplite.core.directory import Assign, Decision, Missing, ObjectDirectory, Queued
+from dask_hoplite.core.network_model import NetworkModel
+from dask_hoplite.core.protocol import PROTOCOL_VERSION
+
+if TYPE_CHECKING:
+    from distributed.scheduler import TaskState
+
+logger = logging.getLogger(__name__)
+
+#: Requests parked in the directory's queue: (key, receiver) -> its decision.
+Waiting = dict[tuple[Key, str], asyncio.Future[Decision]]
+
+
+def _decision_msg(d: Decision, nbytes: int) -> dict[str, Any]:
+    if isinstance(d, Assign):
+        return {
+            "status": "assign",
+            "sender": d.sender,
+            "transfer_id": d.transfer_id,
+            "nbytes": nbytes,
+        }
+    return {"status": "missing"}
+
+
+class DirectoryService:
+    """The directory's handlers and event inputs on the scheduler.
+
+    ``task`` looks a key up in the scheduler's task states (``scheduler.tasks.get``).
+    ``waiting`` is the map of parked requests, shared with a previous service
+    when a newly registered plugin takes over (their decisions still reach them).
+    """
+
+    def __init__(
+        self,
+        directory: ObjectDirectory,
+        network: NetworkModel,
+        config: HopliteConfig,
+        task: Callable[[Key], TaskState | None],
+        waiting: Waiting | None = None,
+    ) -> None:
+        self.directory = directory
+        self.network = network
+        self.config = config
+        self._task = task
+        self.waiting: Waiting = {} if waiting is None else waiting
+
+    # ---------------------------------------------------------- worker handlers
+
+    async def request(
+        self,
+        key: Key,
+        receiver: str,
+        protocol: int | None = None,
+        exclude: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """RPC ``hoplite_request``: a worker needs ``key`` (or needs another
+        sender than those in ``exclude`` to resume from); whom to stream from."""
+        if protocol != PROTOCOL_VERSION:
+            return {
+                "status": "error",
+                "message": f"protocol {protocol!r} != scheduler's {PROTOCOL_VERSION}",
+            }
+        ts = self._task(key)
+        if ts is None or ts.state != "memory":
+            # Not in memory anywhere (lost, being recomputed, or released):
+            # the receiver's holders are stale; Dask finds the new copy.
+            return {"status": "missing", "gone": True}
+        nbytes = ts.nbytes or 0
+        if nbytes < self.config.min_bytes:
+            return {"status": "small"}
+        holders = [ws.address for ws in ts.who_has or ()]
+        decision: Decision | None = self.directory.request(key, receiver, holders, exclude or ())
+        if isinstance(decision, Queued):
+            decision = await self._wait_in_queue(key, receiver)
+            if decision is None:
+                return {"status": "missing", "gone": not self._in_memory(key)}
+        assert decision is not None
+        logger.debug("%s asks for %r (excluding %s): %s", receiver, key, exclude, decision)
+        msg = _decision_msg(decision, nbytes)
+        if isinstance(decision, Missing):
+            msg["gone"] = not self._in_memory(key)
+        ts = self._task(key)
+        msg["holders"] = [ws.address for ws in (ts.who_has or ())] if ts is not None else []
+        return msg
+
+    async def _wait_in_queue(self, key: Key, receiver: str) -> Decision | None:
+        """The decision for a queued request, or None if none came within
+        ``queue_timeout`` (the request is then withdrawn from the queue)."""
+        fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        self.waiting[(key, receiver)] = fut
+        try:
+            return await asyncio.wait_for(fut, self.config.queue_timeout)
+        except asyncio.TimeoutError:
+            logger.info("request of %s for %r timed out in the queue", receiver, key)
+            self.directory.cancel_request(key, receiver)
+            return None
+        finally:
+            if self.waiting.get((key, receiver)) is fut:
+                del self.waiting[(key, receiver)]
+
+    def finished(
+        self,
+        transfer_id: int,
+        ok: bool,
+        worker: str | None = None,
+        nbytes: int = 0,
+        seconds: float = 0.0,
+        latency: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        """Stream ``hoplite-finished``: a receiver's transfer ended (with its
+        size and duration, and the receiver's latency, for the network model)."""
+        self._act(self.directory.transfer_finished(transfer_id, bool(ok)))
+        if ok:
+            self.network.observe_transfer(int(nbytes), float(seconds))
+            self.network.observe_latency(float(latency))
+
+    def released(self, key: Key, worker: str | None = None, **kwargs: Any) -> None:
+        """Stream ``hoplite-released``: ``worker`` dropped its buffer of ``key``."""
+        if worker is not None:
+            self._act(self.directory.copy_released(key, worker))
+
+    def info(self) -> dict[str, Any]:
+        """RPC ``hoplite_info``: the directory's state, for tests and dashboards."""
+        d = self.directory
+        return {
+            "version": __version__,
+            "fanout": d.fanout,
+            "objects": len(d),
+            "transfers": len(d.transfers),
+            "waiting": len(self.waiting),
+            "keys": [
+                {
+                    "key": rec.key,
+                    "complete": sorted(rec.complete),
+                    "partial": sorted(rec.incoming),
+                    "peak_uploads": rec.peak_uploads,
+                    "edges": [list(e) for e in rec.edges],
+                }
+                for rec in d.objects.values()
+            ],
+        }
+
+    # ------------------------------------------------------- Dask's own events
+
+    def key_transitioned(self, key: Key, start: str, finish: str, worker: object = None) -> None:
+        """A task changed state on the scheduler (``worker``: the transition's
+        ``worker`` argument, the new holder when it went to memory)."""
+        if finish == "released":
+            # Lost (its holders died: a recomputation follows, and the
+            # partial copies keep streaming) or released by its clients (then
+            # "forgotten" follows at once).
+            if key in self.directory.objects:
+                logger.debug("%r went %s -> released: no complete copy left", key, start)
+            self._act(self.directory.lost(key))
+        elif finish in ("forgotten", "erred"):
+            self._act(self.directory.forget(key))
+        elif finish == "memory" and isinstance(worker, str):
+            self._act(self.directory.copy_added(key, worker))
+
+    def worker_removed(self, address: str) -> None:
+        """A worker left the cluster."""
+        self._act(self.directory.worker_removed(address))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _in_memory(self, key: Key) -> bool:
+        ts = self._task(key)
+        return ts is not None and ts.state == "memory"
+
+    def _act(self, decisions: Iterable[Decision]) -> None:
+        for d in decisions:
+            fut = self.waiting.get((d.key, d.receiver))
+            if fut is not None and not fut.done():
+                fut.set_result(d)
+            elif isinstance(d, Assign):
+                # Nobody waits any more: give the slot back.
+                self._act(self.directory.transfer_finished(d.transfer_id, False))
+            elif not isinstance(d, Missing):
+                logger.debug("unclaimed directory decision %s", d)

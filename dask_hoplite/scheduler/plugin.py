@@ -1,0 +1,175 @@
+"""The :class:`Hoplite` scheduler plugin: wiring only.
+
+Dask starts and closes a ``SchedulerPlugin`` and calls its event hooks; this
+module turns that lifecycle into installing and removing the scheduler part's
+handlers and overrides, forwards Dask's events to the directory service, and
+registers the worker part on every worker. What the handlers do lives in the
+modules it imports (see :mod:`dask_hoplite.scheduler`), none of which knows
+the plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dask.typing import Key
+from distributed import SchedulerPlugin
+from distributed.protocol.pickle import dumps
+
+from dask_hoplite._version import __version__
+from dask_hoplite.compat import check_distributed_version, check_internals
+from dask_hoplite.config import HopliteConfig
+from dask_hoplite.core.directory import ObjectDirectory
+from dask_hoplite.core.network_model import NetworkModel
+from dask_hoplite.scheduler.amm import StreamDropGuard
+from dask_hoplite.scheduler.directory_service import DirectoryService
+from dask_hoplite.scheduler.graph_rewrite import GraphRewrite
+from dask_hoplite.scheduler.patching import Override
+from dask_hoplite.scheduler.queries import SchedulerQueries
+from dask_hoplite.scheduler.replicate import ReplicateOverride
+from dask_hoplite.worker import PLUGIN_NAME, HopliteWorker
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def _registry(s: Scheduler, name: str) -> dict[str, Any]:
+    """Where handler ``name`` goes: an RPC is called as ``rpc.<name>(...)``, so
+    its name is an identifier; a stream message's op is hyphenated."""
+    return s.handlers if name.isidentifier() else s.stream_handlers
+
+
+class Hoplite(SchedulerPlugin):
+    """dask-hoplite: pipelined, directory-driven transfers of large keys.
+
+    Register it once per cluster::
+
+        client.register_plugin(dask_hoplite.Hoplite())
+
+    or start the scheduler with ``--preload dask_hoplite``. Workers get their
+    part from the scheduler, including workers that join later or restart.
+    Registering again replaces the running instance and keeps its directory.
+    Settings come from the ``hoplite`` section of ``dask.config`` on the
+    scheduler and on each worker (see ``hoplite.yaml``).
+    """
+
+    name = "hoplite"
+
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
+        self.config: HopliteConfig | None = None
+        self.directory: ObjectDirectory | None = None
+        self.network: NetworkModel | None = None
+        self.service: DirectoryService | None = None
+        self.replicator: ReplicateOverride | None = None
+        self.overrides: list[Override] = []
+        #: The one handler table: RPC / stream-message name -> handler.
+        self.handler_table: dict[str, Callable[..., Any]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self, scheduler: Scheduler) -> None:
+        check_distributed_version()
+        check_internals([scheduler])
+        config = self.config = HopliteConfig.from_dask_config()
+        previous = scheduler.plugins.get(self.name)
+        if isinstance(previous, Hoplite) and previous.scheduler is not None:
+            # Registered again: unhook the old instance so no handler is
+            # installed twice, then take over its running directory.
+            previous._uninstall()
+        else:
+            previous = None
+        self._build(scheduler, config, previous)
+        self.scheduler = scheduler
+        self._install(scheduler)
+        await self._register_worker_part(scheduler)
+        logger.info("hoplite %s installed (fanout %d)", __version__, config.fanout)
+
+    async def close(self) -> None:
+        self._uninstall()
+
+    def _build(self, s: Scheduler, config: HopliteConfig, previous: Hoplite | None) -> None:
+        """The services, overrides and handler table; the directory, network
+        model, parked requests and replicate pins of ``previous`` if given."""
+        if previous is not None:
+            self.directory, self.network = previous.directory, previous.network
+        if self.directory is None:  # (not `or`: an empty directory is falsy)
+            self.directory = ObjectDirectory(fanout=config.fanout)
+        if self.network is None:
+            self.network = NetworkModel()
+        directory, network = self.directory, self.network
+        directory.fanout = config.fanout
+        network.fixed_bandwidth = config.reduce_bandwidth
+        network.fixed_latency = config.reduce_latency
+        waiting = previous.service.waiting if previous and previous.service else None
+        pins = previous.replicator.pins if previous and previous.replicator else None
+        self.service = service = DirectoryService(directory, network, config, s.tasks.get, waiting)
+        queries = SchedulerQueries(s.tasks.get, network)
+        self.replicator = ReplicateOverride(config, pins)
+        self.overrides = [self.replicator]
+        if config.array_reductions or config.bag_reductions:
+            self.overrides.append(GraphRewrite(config))
+        if config.protect_streams:
+            self.overrides.append(StreamDropGuard(directory.pinned, self.replicator.pinned))
+        self.handler_table = {
+            "hoplite_request": service.request,
+            "hoplite_info": service.info,
+            "hoplite-finished": service.finished,
+            "hoplite-released": service.released,
+            "hoplite_network": queries.network_estimate,
+            "hoplite_locate": queries.locate,
+            "hoplite_key_states": queries.key_states,
+            "hoplite_task_worker": queries.task_worker,
+        }
+
+    def _install(self, s: Scheduler) -> None:
+        for name, handler in self.handler_table.items():
+            _registry(s, name)[name] = handler
+        for override in self.overrides:
+            override.install(s)
+
+    def _uninstall(self) -> None:
+        s, self.scheduler = self.scheduler, None
+        if s is None:
+            return
+        for name, handler in self.handler_table.items():
+            registry = _registry(s, name)
+            if registry.get(name) is handler:
+                del registry[name]
+        for override in reversed(self.overrides):
+            override.restore()
+
+    async def _register_worker_part(self, scheduler: Scheduler) -> None:
+        responses = await scheduler.register_worker_plugin(
+            None,
+            dumps(HopliteWorker(__version__)),
+            name=PLUGIN_NAME,
+            idempotent=False,
+        )
+        failed = {a: r for a, r in responses.items() if r.get("status") != "OK"}
+        if failed:
+            logger.error("hoplite worker part failed to start on %s", failed)
+            raise RuntimeError(
+                "dask-hoplite's worker part failed to start on "
+                + ", ".join(f"{a}: {r.get('exception_text') or r}" for a, r in failed.items())
+            )
+
+    # -------------------------------------------------------- Dask's own events
+
+    def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if self.service is not None:
+            self.service.key_transitioned(key, start, finish, kwargs.get("worker"))
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        if self.service is not None:
+            self.service.worker_removed(worker)
