@@ -2,12 +2,13 @@
 
 Pure: this module imports nothing, so the sans-IO core (:mod:`dask_hoplite.core`)
 and the I/O shells raise and catch the same types. Where an error crosses a
-boundary (an RPC reply, a Dask task's result), the shell that sends it turns it
-into a message and the shell that receives it turns the message back into the
-type here (see :mod:`dask_hoplite.worker.reduce_node`).
+boundary, it is turned into a message and back here, in one place: a reduce
+node's reply to the root (:func:`node_reply`, :func:`node_error`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class ProtocolError(ValueError):
@@ -50,3 +51,23 @@ class VersionMismatch(RuntimeError):
 class UnsupportedDistributed(RuntimeError):
     """The installed ``distributed`` is outside the tested range, or one of the
     private internals dask-hoplite overrides changed (see :mod:`dask_hoplite.compat`)."""
+
+
+def node_reply(error: BaseException | str) -> dict[str, Any]:
+    """The reply of a reduce node that failed with ``error`` (a string: the
+    node refused to run). An input that does not fit stays recognisable."""
+    if isinstance(error, str):
+        return {"status": "error", "message": error}
+    if isinstance(error, ReduceInputError):
+        return {"status": "error", "input_error": True, "message": str(error)}
+    return {"status": "error", "message": f"{type(error).__name__}: {error}"}
+
+
+def node_error(reply: dict[str, Any], address: str) -> Exception | None:
+    """The error a reduce node's ``reply`` reports (None: it succeeded);
+    ``address``: the node's worker."""
+    if reply.get("status") == "OK":
+        return None
+    if reply.get("input_error"):
+        return ReduceInputError(reply.get("message"))
+    return NodeFailed(str(reply.get("message")), address)

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from dask._task_spec import Task
@@ -32,12 +32,10 @@ from distributed.worker_state_machine import ComputeTaskEvent, StateMachineEvent
 from dask_hoplite.core.graph_reduce import GraphReduce
 from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, select_field
 from dask_hoplite.errors import ReduceInputError
-from dask_hoplite.worker.context import WorkerContext, run_on_loop
+from dask_hoplite.worker.context import FetchParts, WorkerContext, run_on_loop
 from dask_hoplite.worker.reduce_root import ReduceRoots
 
 logger = logging.getLogger(__name__)
-
-FetchParts = Callable[[list[Key], dict[Key, list[str]]], Awaitable[list[Any]]]
 
 
 class AggregateTakeover:

@@ -22,11 +22,10 @@ import dataclasses
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
-from dask.typing import Key
 
 from dask_hoplite.core.protocol import StreamRequest
 from dask_hoplite.core.reduce_ops import resolve_op
@@ -34,13 +33,11 @@ from dask_hoplite.core.reduce_spec import ReduceSpec
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.errors import ReduceInputError
 from dask_hoplite.streams import pooled_comm, raw_stream, receive_stream
-from dask_hoplite.worker.context import WorkerContext, cancel_quietly
+from dask_hoplite.worker.context import FetchParts, WorkerContext, cancel_quietly
 from dask_hoplite.worker.reduce_root import ReduceRoots
 from dask_hoplite.worker.reductions import RunningReductions
 
 logger = logging.getLogger(__name__)
-
-FetchParts = Callable[[list[Key], dict[Key, list[str]]], Awaitable[list[Any]]]
 
 
 class Allreduce:

@@ -37,6 +37,10 @@ PLUGIN_NAME = "hoplite-worker"
 
 T = TypeVar("T")
 
+#: ``(keys, who_has) -> values``: the keys' values fetched here, by hoplite or
+#: Dask's ``get_data`` (:meth:`~dask_hoplite.worker.receiver.Receiver.fetch_parts`).
+FetchParts = Callable[[list[Key], dict[Key, list[str]]], Awaitable[list[Any]]]
+
 
 @dataclasses.dataclass
 class WorkerContext:

@@ -28,7 +28,7 @@ from distributed.protocol import serialize
 from dask_hoplite.core.reduce_ops import ReduceOp, resolve_op
 from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, select_field
 from dask_hoplite.core.store import Layout, ObjectBuffer
-from dask_hoplite.errors import ProtocolError, ReduceInputError
+from dask_hoplite.errors import ProtocolError, ReduceInputError, node_reply
 from dask_hoplite.worker.combine import NodeJob, combine_buffered, combine_raw, raw_capable
 from dask_hoplite.worker.context import WorkerContext
 from dask_hoplite.worker.reductions import RunningReductions
@@ -106,28 +106,25 @@ class ReduceNodes:
         s = ReduceSpec.from_msg(spec)
         key = s.inputs[slot]
         if self.reductions.is_aborted(s.rid):
-            return {"status": "error", "message": "reduction aborted"}
+            return node_reply("reduction aborted")
         if key not in w.data:
-            return {
-                "status": "error",
-                "message": f"input {key!r} of the reduction is not in memory on {w.address}",
-            }
+            return node_reply(f"input {key!r} of the reduction is not in memory on {w.address}")
         try:
             value = select_field(w.data[key], s.field, key)
         except ReduceInputError as e:
-            return {"status": "error", "input_error": True, "message": str(e)}
+            return node_reply(e)
         task = asyncio.create_task(self._run_until_sent(s, slot, value, offset))
         try:
             with self.reductions.tracked(s.rid, task):
                 await task
             return {"status": "OK"}
-        except ReduceInputError as e:
-            return {"status": "error", "input_error": True, "message": str(e)}
         except asyncio.CancelledError:
-            return {"status": "error", "message": "reduction aborted"}
+            return node_reply("reduction aborted")
+        except ReduceInputError as e:
+            return node_reply(e)
         except Exception as e:
             logger.warning("reduce node %d of %s failed", slot, s.rid, exc_info=True)
-            return {"status": "error", "message": f"{type(e).__name__}: {e}"}
+            return node_reply(e)
 
     async def _run_until_sent(
         self, spec: ReduceSpec, slot: int, value: Any, offset: int = 0

@@ -34,7 +34,7 @@ from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_spec import ReduceSpec, check_input
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.core.tree_repair import TreeRepair
-from dask_hoplite.errors import NodeFailed, ReduceInputError
+from dask_hoplite.errors import NodeFailed, ReduceInputError, node_error
 from dask_hoplite.scheduler_queries import network_estimate, wait_for_holders
 from dask_hoplite.worker.context import WorkerContext, cancel_quietly
 from dask_hoplite.worker.reduce_node import ReduceNodes
@@ -204,10 +204,9 @@ class TreeRoot:
             raise NodeFailed(
                 f"node {slot} on {addr}: {type(e).__name__}: {e}", addr, unreachable=True
             ) from e
-        if reply.get("status") != "OK":
-            if reply.get("input_error"):
-                raise ReduceInputError(reply.get("message"))
-            raise NodeFailed(str(reply.get("message")), addr)
+        error = node_error(reply, addr)
+        if error is not None:
+            raise error
 
     def _abort(self) -> None:
         """Stop every node and copy of the tree (this worker's tasks too) and

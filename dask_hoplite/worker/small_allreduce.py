@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dask.typing import Key
@@ -23,11 +22,10 @@ from distributed.utils import offload
 from distributed.worker_state_machine import SecedeEvent
 
 from dask_hoplite.core.reduce_spec import reduce_values
-from dask_hoplite.worker.context import WorkerContext
+from dask_hoplite.worker.context import FetchParts, WorkerContext
 
 logger = logging.getLogger(__name__)
 
-FetchParts = Callable[[list[Key], dict[Key, list[str]]], Awaitable[list[Any]]]
 #: Scheduler states of a task that will still deliver a result.
 _COMING = ("waiting", "queued", "no-worker", "processing", "memory")
 
