@@ -139,6 +139,7 @@ PRIVATE_INTERNALS: tuple[Internal, ...] = (
     Internal("dask.array.reductions.mean_combine", "core/aggregates.py", "mean aggregates"),
     Internal("dask.array.reductions.chunk_max", "core/aggregates.py", "max aggregates"),
     Internal("dask.array.reductions.chunk_min", "core/aggregates.py", "min aggregates"),
+    Internal("dask.array.routines._chunk_sum", "core/aggregates.py", "x @ y, tensordot"),
     Internal("dask.bag.core._reduce", "core/aggregates.py", "bag folds"),
     Internal("dask.bag.core.empty_safe_aggregate", "core/aggregates.py", "bag aggregates"),
 )  # fmt: skip

@@ -167,3 +167,37 @@ def test_rewritten_graph_computes_what_dask_computes(case):
     ours = execute_graph(new)
     for k in keys:
         check(np.asarray(ours[k]), np.asarray(theirs[k]))
+
+
+def test_matrix_products_sum_their_blocks_as_a_reduce_tree(cluster_client):
+    """``x.T @ x`` ends in a sum of the row blocks' partial products
+    (``_chunk_sum``, no concatenation): one reduce tree, numpy's result."""
+    blocks = [np.random.default_rng(i).random((30, 40)).astype("f4") for i in range(6)]
+    futures = cluster_client.scatter(blocks, hash=False)
+    x = da.concatenate([da.from_delayed(f, shape=(30, 40), dtype="f4") for f in futures])
+    before = taken_over(cluster_client)
+    got = (x.T @ x).compute()
+    assert taken_over(cluster_client) == before + 1
+    a = np.concatenate(blocks)
+    check(got, a.T @ a)
+
+
+@pytest.mark.parametrize("split_every", [None, 2, 3])
+@pytest.mark.parametrize("row_chunks", [1, 2, 5, 9])
+@pytest.mark.parametrize("product", ["matmul", "tensordot", "vector"])
+def test_rewritten_matrix_products_compute_what_dask_computes(split_every, row_chunks, product):
+    a = np.random.default_rng(4).integers(0, 5, (9, 4)).astype("i4")
+    x = da.from_array(a, chunks=(row_chunks, 2))
+    with dask.config.set({"split_every": split_every} if split_every else {}):
+        y = {
+            "matmul": lambda: x.T @ x,
+            "tensordot": lambda: da.tensordot(x, x, axes=((0,), (0,))),
+            "vector": lambda: x[:, 0] @ x,
+        }[product]()
+    keys = list(dask.core.flatten(y.__dask_keys__()))
+    dsk = convert_legacy_graph(dict(optimize(y.__dask_graph__(), keys)))
+    new, n = rewrite_graph(dsk, keys, max_inputs=4)
+    assert n >= (1 if -(-9 // row_chunks) > 1 else 0)
+    ours, theirs = execute_graph(new), execute_graph(dsk)
+    for k in keys:
+        check(np.asarray(ours[k]), np.asarray(theirs[k]))

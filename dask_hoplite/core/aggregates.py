@@ -4,7 +4,8 @@ or None. Pure: reads task objects, runs nothing.
 
 dask.array builds ``F(_concatenate2(parts, axes))`` with ``F`` one of numpy's
 sum, prod, min, max (or ``mean_combine`` / ``mean_agg`` on ``{"n", "total"}``
-dicts); dask.bag builds ``empty_safe_aggregate(aggregate, parts, is_last)``
+dicts), and ``x @ y`` / ``tensordot`` end in ``_chunk_sum(parts)``, an
+elementwise add of parts with extent 1 along the contracted axis; dask.bag builds ``empty_safe_aggregate(aggregate, parts, is_last)``
 with ``aggregate`` a fold by a binary operator of :data:`BAG_BINOPS` or the
 builtin ``sum``. The rewrite that uses these is :mod:`dask_hoplite.core.graph_reduce`.
 """
@@ -61,6 +62,20 @@ def _mean_functions() -> set[Any]:
 
 _REDUCE_FUNCTIONS = _reduce_functions()
 _MEAN_FUNCTIONS = _mean_functions()
+
+
+def _contraction_sums() -> set[Any]:
+    """The aggregate of the sums that end ``x @ y`` and ``tensordot``
+    (``_sum_wo_cat``): elementwise adds of parts that have extent 1 along the
+    contracted axis, with no concatenation."""
+    try:
+        from dask.array.routines import _chunk_sum
+    except ImportError:  # pragma: no cover
+        return set()
+    return {_chunk_sum}
+
+
+_CONTRACTION_SUMS = _contraction_sums()
 
 #: Binary operators of dask.bag folds that combine two numpy arrays of one
 #: shape elementwise, associatively and commutatively (so a tree may combine
@@ -187,11 +202,12 @@ def recognize(task: Any) -> Aggregate | None:
         return None
     func = task.func
     fields: tuple[str, ...] | None
-    if isinstance(func, functools.partial) and func.func in _MEAN_FUNCTIONS:
+    if isinstance(func, functools.partial) and func.func in _MEAN_FUNCTIONS | _CONTRACTION_SUMS:
         kw = func.keywords
         if set(kw) - {"axis", "keepdims", "dtype"} or func.args:
             return None
-        op, fields = "sum", MEAN_FIELDS
+        op = "sum"
+        fields = MEAN_FIELDS if func.func in _MEAN_FUNCTIONS else None
     else:
         # toolz.compose(F, partial(_concatenate2, axes=...)): ``first`` runs first.
         first, rest = getattr(func, "first", None), getattr(func, "funcs", None)
