@@ -1,0 +1,85 @@
+"""The examples compute what numpy computes in one process, through dask-hoplite
+(at small sizes, on a 3-worker cluster whose hoplite threshold is 1 KiB), and
+run as scripts on a local cluster, printing that Dask alone and dask-hoplite
+agree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dask_hoplite.compat import worker_addresses
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import array_pipeline  # noqa: E402
+import bag_fold  # noqa: E402
+import ensemble_serving  # noqa: E402
+
+
+def _hoplite_stats(client):
+    per_worker = client.run(lambda dask_worker: dict(dask_worker.plugins["hoplite-worker"].stats))
+    out: dict[str, int] = {}
+    for stats in per_worker.values():
+        for k, v in stats.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def test_ensemble_serving_answers_as_numpy_does(cluster_client):
+    workers = worker_addresses(cluster_client)
+    before = _hoplite_stats(cluster_client).get("keys-received", 0)
+    got = ensemble_serving.workload(cluster_client, workers, n_images=6, queries=3, in_flight=2)
+    expected = ensemble_serving.reference(len(workers), n_images=6, queries=3)
+    assert ensemble_serving.agree(got.result, expected)
+    assert all(
+        np.array_equal(g["labels"], e["labels"]) for g, e in zip(got.result, expected, strict=True)
+    )
+    # every query's batch reached the other two models' workers through hoplite
+    assert _hoplite_stats(cluster_client)["keys-received"] - before >= 2 * 3
+
+
+def test_array_pipeline_computes_the_gram_matrix_numpy_does(cluster_client):
+    workers = worker_addresses(cluster_client)
+    before = _hoplite_stats(cluster_client)
+    got = array_pipeline.workload(cluster_client, workers, d=64, rows=32)
+    np.testing.assert_allclose(got.result, array_pipeline.reference(3, d=64, rows=32), rtol=1e-4)
+    after = _hoplite_stats(cluster_client)
+    assert after.get("graph-reductions", 0) > before.get("graph-reductions", 0)  # y.T @ y's sum
+
+
+def test_bag_fold_sums_as_numpy_does(cluster_client):
+    workers = worker_addresses(cluster_client)
+    before = _hoplite_stats(cluster_client).get("graph-reductions", 0)
+    got = bag_fold.workload(cluster_client, workers, records=2, features=3_000)
+    np.testing.assert_allclose(got.result, bag_fold.reference(3, 2, 3_000), rtol=1e-5)
+    assert _hoplite_stats(cluster_client)["graph-reductions"] > before
+
+
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        ("ensemble_serving.py", ["--images", "4", "--queries", "2", "--in-flight", "2"]),
+        ("array_pipeline.py", ["--d", "64", "--rows-per-worker", "16"]),
+        ("bag_fold.py", ["--features", "3000", "--records", "2"]),
+    ],
+)
+@pytest.mark.timeout(180)
+def test_example_runs_as_a_script_on_a_local_cluster(script, args):
+    env = {**os.environ, "DASK_HOPLITE__MIN_BYTES": "1 KiB"}
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", script), "--workers", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=env,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "results agree: yes" in r.stdout
+    assert "dask-hoplite" in r.stdout and "gain" in r.stdout
