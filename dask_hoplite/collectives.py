@@ -13,9 +13,11 @@
 Results are ordinary futures. Inputs may be futures, or Delayed objects and
 Dask collections (computed first). With an asynchronous client, ``await`` them.
 
-``reduce`` runs a pipelined reduce tree (:mod:`dask_hoplite.worker.reduce_root`) shaped by
-:mod:`dask_hoplite.core.planner`; the others ride on hoplite's pipelined transfers
-of large keys (the plugin must be registered for those to be pipelined).
+``reduce`` runs a pipelined reduce tree (:mod:`dask_hoplite.worker.reduce_root`)
+shaped by :mod:`dask_hoplite.core.planner`; the others ride on hoplite's
+pipelined transfers of large keys. On a cluster where dask-hoplite is not
+registered every call still works, the way Dask alone would do it: a reduction
+is one task on the first input's worker, copies are tasks that depend on it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_spec import ReduceSpec, reduce_values
-from dask_hoplite.scheduler_queries import network_estimate
+from dask_hoplite.scheduler_queries import hoplite_registered
 from dask_hoplite.worker import tasks
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,11 @@ async def _reduce_async(
         addresses.append(sorted(holders)[0])
     size = max(int(nbytes.get(key, 0) or 0) for key in keys)
     cfg = HopliteConfig.from_dask_config()
+    if net is None:
+        # dask-hoplite is not registered: Dask's way, one task on the first
+        # input's worker (and a copy of its result on every other worker).
+        result = _reduce_small(client, chosen, keys, rop.name, addresses)
+        return result + (_copies(client, result[0], addresses) if copies else [])
     if size < cfg.min_bytes:
         # Small objects: a tree costs more round trips than it saves bytes;
         # one task on the first input's worker, as Dask would do it (one on
@@ -196,21 +203,18 @@ def _reduce_tree(
 
 async def _locate(
     client: Client, keys: list[Any]
-) -> tuple[dict[Any, list[str]], dict[Any, int], NetworkEstimate]:
+) -> tuple[dict[Any, list[str]], dict[Any, int], NetworkEstimate | None]:
     """Where ``keys`` are, their sizes and the network estimate, in one round
-    trip to the scheduler (three concurrent calls if its plugin predates
-    ``hoplite_locate``)."""
-    try:
+    trip to the scheduler part; the estimate is None when dask-hoplite is not
+    registered on the cluster (then where and how big, asked of Dask)."""
+    if await hoplite_registered(client):
         m = await client.scheduler.hoplite_locate(keys=keys)  # type: ignore[union-attr]
         return m["who_has"], m["nbytes"], NetworkEstimate.from_msg(m["network"])
-    except Exception as e:
-        logger.debug("hoplite_locate unavailable (%s); asking three times", e)
-    who_has, nbytes, estimate = await asyncio.gather(
+    who_has, nbytes = await asyncio.gather(
         client.scheduler.who_has(keys=keys),  # type: ignore[union-attr]
         client.scheduler.nbytes(keys=keys, summary=False),  # type: ignore[union-attr]
-        network_estimate(client.scheduler),
     )
-    return who_has, nbytes, estimate
+    return who_has, nbytes, None
 
 
 def _keep_until_done(keep: list[Future], futures: list[Future]) -> None:
@@ -316,6 +320,15 @@ def _reduce_small(
     )
     setattr(result, _INPUTS_ATTR, keys)
     return [result]
+
+
+def _copies(client: Client, result: Future, addresses: list[str]) -> list[Future]:
+    """One copy of ``result`` on every worker of ``addresses`` but the first,
+    as Dask makes copies: tasks that depend on it."""
+    return [
+        client.submit(_identity, result, workers=[w], allow_other_workers=True, pure=False)
+        for w in sorted(set(addresses) - {addresses[0]})
+    ]
 
 
 def _allreduce_small(

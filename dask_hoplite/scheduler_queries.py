@@ -21,6 +21,27 @@ from dask_hoplite.core.network_model import NetworkEstimate, NetworkModel
 
 logger = logging.getLogger(__name__)
 
+#: The scheduler's metadata entry that holds the running scheduler part's
+#: version (None or absent: dask-hoplite is not registered).
+METADATA_KEY = "dask-hoplite"
+#: How long a client trusts its last look at whether the plugin is registered.
+REGISTERED_TTL = 5.0
+
+_registered: dict[str, tuple[float, bool]] = {}
+
+
+async def hoplite_registered(client: Any) -> bool:
+    """Whether dask-hoplite runs on ``client``'s scheduler, asked through
+    Dask's own metadata RPC (no error logged on a cluster without it) at most
+    once per :data:`REGISTERED_TTL` seconds."""
+    now = time.monotonic()
+    seen = _registered.get(client.id)
+    if seen is not None and now - seen[0] < REGISTERED_TTL:
+        return seen[1]
+    version = await client.scheduler.get_metadata(keys=[METADATA_KEY], default=None)
+    _registered[client.id] = (now, version is not None)
+    return version is not None
+
 
 async def network_estimate(scheduler: Any) -> NetworkEstimate:
     """The scheduler part's estimate (``scheduler``: an RPC handle to it); the

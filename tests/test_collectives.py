@@ -308,3 +308,35 @@ def test_small_allreduce_copies_wait_for_a_busy_root(client_without_stealing):
     pulled = sum(s.get("results-pulled", 0) for s in stats.values())
     fallbacks = sum(s.get("allreduce-fallbacks", 0) for s in stats.values())
     assert (pulled, fallbacks) == (2, 0)
+
+
+@pytest.mark.parametrize("nbytes", [800, 4_000_000])
+def test_collectives_work_on_a_cluster_without_the_plugin(nbytes):
+    """The same calls on a plain Dask cluster (dask-hoplite not registered):
+    Dask's own reduction on one worker, copies by dependency; same results."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        arrays = [np.full(nbytes // 8, i + 1.0) for i in range(4)]
+        futures = scatter(c, arrays)
+        assert_matches(dh.reduce(futures, "sum").result(), np.sum(arrays, axis=0))
+        first3 = dh.reduce(futures, "max", k=3)
+        used = [arrays[[f.key for f in futures].index(k)] for k in dh.reduced_inputs(first3)]
+        assert len(used) == 3
+        assert_matches(first3.result(), np.max(used, axis=0))
+        # (new inputs: the reductions above copied the old ones to one worker)
+        parts = dh.allreduce(scatter(c, arrays), "mean")
+        assert len(parts) == 3  # the result's worker, then one copy per other worker
+        for p in c.gather(parts):
+            assert_matches(p, np.mean(arrays, axis=0))
+        assert [a.sum() for a in dh.gather(futures, to=workers(c)[1]).result()] == [
+            a.sum() for a in arrays
+        ]
+        assert "hoplite_info" not in c.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.handlers
+        )

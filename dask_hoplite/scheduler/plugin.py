@@ -29,6 +29,7 @@ from dask_hoplite.scheduler.graph_rewrite import GraphRewrite
 from dask_hoplite.scheduler.patching import Override
 from dask_hoplite.scheduler.queries import SchedulerQueries
 from dask_hoplite.scheduler.replicate import ReplicateOverride
+from dask_hoplite.scheduler_queries import METADATA_KEY
 from dask_hoplite.worker import PLUGIN_NAME, HopliteWorker
 
 if TYPE_CHECKING:
@@ -137,6 +138,8 @@ class Hoplite(SchedulerPlugin):
             _registry(s, name)[name] = handler
         for override in self.overrides:
             override.install(s)
+        # Clients ask this (a standard RPC) before calling hoplite's own.
+        s.set_metadata(keys=[METADATA_KEY], value=__version__)
 
     def _uninstall(self) -> None:
         s, self.scheduler = self.scheduler, None
@@ -148,6 +151,7 @@ class Hoplite(SchedulerPlugin):
                 del registry[name]
         for override in reversed(self.overrides):
             override.restore()
+        s.set_metadata(keys=[METADATA_KEY], value=None)
 
     async def _register_worker_part(self, scheduler: Scheduler) -> None:
         responses = await scheduler.register_worker_plugin(
