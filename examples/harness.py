@@ -92,21 +92,15 @@ def _emulated(
         yield client
 
 
-def run_both(
-    args: argparse.Namespace,
-    title: str,
-    workload: Workload,
-    agree: Callable[[Any, Any], bool],
-) -> int:
-    """Run ``workload`` on a fresh cluster with Dask alone, then with
-    dask-hoplite; print the table and whether the results agree. Exit status
-    0 when they do."""
-    where = (
-        f"emulated cluster, {args.workers} hosts, {args.rate_mbit:g} Mbit/s NICs"
-        if args.emulated
-        else f"LocalCluster, {args.workers} worker processes (loopback)"
-    )
-    print(f"{title}\n{where}\n", flush=True)
+def describe(args: argparse.Namespace) -> str:
+    if args.emulated:
+        return f"emulated cluster, {args.workers} hosts, {args.rate_mbit:g} Mbit/s NICs"
+    return f"LocalCluster, {args.workers} worker processes (loopback)"
+
+
+def compare(args: argparse.Namespace, workload: Workload) -> dict[str, Outcome]:
+    """Run ``workload`` on a fresh cluster with Dask alone ("dask"), then on
+    another with dask-hoplite registered ("hoplite")."""
     env = _emulated(args.workers, args.rate_mbit) if args.emulated else _local(args.workers)
     outcomes: dict[str, Outcome] = {}
     with env as new_client:
@@ -114,8 +108,24 @@ def run_both(
             with new_client() as client:
                 if mode == "hoplite":
                     client.register_plugin(dask_hoplite.Hoplite())
-                workers = worker_addresses(client)
-                outcomes[mode] = workload(client, workers)
+                outcomes[mode] = workload(client, worker_addresses(client))
+    return outcomes
+
+
+def run_both(
+    args: argparse.Namespace,
+    title: str,
+    workload: Workload,
+    agree: Callable[[Any, Any], bool],
+) -> int:
+    """:func:`compare`, then print the table and whether the results agree.
+    Exit status 0 when they do."""
+    print(f"{title}\n{describe(args)}\n", flush=True)
+    outcomes = compare(args, workload)
+    return report(outcomes, agree)
+
+
+def report(outcomes: dict[str, Outcome], agree: Callable[[Any, Any], bool]) -> int:
     same = agree(outcomes["dask"].result, outcomes["hoplite"].result)
     print(table(outcomes["dask"], outcomes["hoplite"]))
     print(f"\nresults agree: {'yes' if same else 'NO'}")

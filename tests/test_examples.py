@@ -18,8 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import array_pipeline  # noqa: E402
+import async_sgd  # noqa: E402
 import bag_fold  # noqa: E402
 import ensemble_serving  # noqa: E402
+import rl_weights  # noqa: E402
 
 
 def _hoplite_stats(client):
@@ -61,17 +63,43 @@ def test_bag_fold_sums_as_numpy_does(cluster_client):
     assert _hoplite_stats(cluster_client)["graph-reductions"] > before
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_parameter_server_trains_as_numpy_does(cluster_client, k):
+    """k of 3 gradients per step: the weights are numpy's from the shards each
+    step reduced (dh.reduced_inputs), and the loss goes down."""
+    workers = worker_addresses(cluster_client)
+    got = async_sgd.workload(cluster_client, workers, 2_000, 500, k=k, steps=4, rate=0.5)
+    used = got.result["used"]
+    assert [len(u) for u in used] == [k] * 4
+    expected = async_sgd.reference(3, 2_000, 500, used, rate=0.5)
+    np.testing.assert_allclose(got.result["weights"], expected, atol=1e-5)
+    losses = got.result["losses"]
+    assert losses[-1] < losses[0]
+
+
+def test_rl_learner_policy_is_numpys(cluster_client):
+    workers = worker_addresses(cluster_client)
+    got = rl_weights.workload(cluster_client, workers, obs=256, actions=8, steps=16, iterations=3)
+    expected = rl_weights.reference(3, obs=256, actions=8, steps=16, iterations=3)
+    np.testing.assert_allclose(got.result["policy"], expected, rtol=1e-4, atol=1e-6)
+    assert np.abs(expected).sum() > 0  # it did learn something
+
+
 @pytest.mark.parametrize(
     "script, args",
     [
         ("ensemble_serving.py", ["--images", "4", "--queries", "2", "--in-flight", "2"]),
         ("array_pipeline.py", ["--d", "64", "--rows-per-worker", "16"]),
         ("bag_fold.py", ["--features", "3000", "--records", "2"]),
+        ("async_sgd.py", ["--params", "2000", "--samples", "500", "--k", "1", "--steps", "3"]),
+        ("rl_weights.py", ["--obs", "256", "--actions", "8", "--steps", "16", "--iterations", "3"]),
     ],
 )
 @pytest.mark.timeout(180)
-def test_example_runs_as_a_script_on_a_local_cluster(script, args):
+def test_example_runs_as_a_script_on_a_local_cluster(script, args, tmp_path):
     env = {**os.environ, "DASK_HOPLITE__MIN_BYTES": "1 KiB"}
+    if script == "async_sgd.py":
+        args = [*args, "--plot", str(tmp_path / "loss.png")]
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", script), "--workers", "2", *args],
         capture_output=True,
@@ -83,3 +111,5 @@ def test_example_runs_as_a_script_on_a_local_cluster(script, args):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "results agree: yes" in r.stdout
     assert "dask-hoplite" in r.stdout and "gain" in r.stdout
+    if script == "async_sgd.py":
+        assert (tmp_path / "loss.png").stat().st_size > 0

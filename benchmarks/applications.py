@@ -1,0 +1,132 @@
+"""The examples' workloads on the emulated cluster, Dask alone against
+dask-hoplite, in one table and one PNG.
+
+Each application is the example's own code (``examples/*.py``) at its default
+sizes, run on a fresh Dask cluster without the plugin and on another with it,
+over the same emulated network (8 worker hosts at 1 Gbit/s by default). The
+tasks compute for real; the table states each one's compute time, measured in
+this process on one core before the runs (on this 2-core machine the 8
+emulated hosts share the cores, so compute also costs more there than on a
+real cluster).
+
+    python benchmarks/applications.py [--workers 8] [--rate-mbit 1000] [--only ensemble sgd ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+
+import array_pipeline  # noqa: E402
+import async_sgd  # noqa: E402
+import bag_fold  # noqa: E402
+import ensemble_serving as ensemble  # noqa: E402
+import harness  # noqa: E402
+import rl_weights  # noqa: E402
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def applications(n: int) -> dict[str, tuple[Callable[[Any, list[str]], Any], str]]:
+    """name -> (workload, its compute per task measured here on one core)."""
+    batch = ensemble.load_batch(0, 1365)
+    model = ensemble.load_model(0)
+    predict = timed(ensemble.predict, model, batch)
+    p = 32 * 2**20
+    shard = async_sgd.make_shard(0, 200_000, p)
+    grad = timed(async_sgd.gradient, async_sgd.zeros(p), shard)
+    policy = rl_weights.init_policy(16384, 1024)
+    roll = timed(rl_weights.rollout, policy, 0, 0, 64)
+    traj = rl_weights.rollout(policy, 0, 0, 64)
+    learn = timed(rl_weights.learn, policy, 1.0, *([traj] * n))
+    return {
+        "ensemble serving": (
+            lambda c, w: ensemble.workload(c, w, 1365, 6, 4),
+            f"predict {predict:.2f} s",
+        ),
+        "async SGD (k=6 of 8)": (
+            lambda c, w: async_sgd.workload(c, w, p, 200_000, 6, 10, 0.5),
+            f"gradient {grad:.2f} s",
+        ),
+        "sync SGD (k=8 of 8)": (
+            lambda c, w: async_sgd.workload(c, w, p, 200_000, n, 10, 0.5),
+            f"gradient {grad:.2f} s",
+        ),
+        "RL weight sync": (
+            lambda c, w: rl_weights.workload(c, w, 16384, 1024, 64, 8),
+            f"rollout {roll:.2f} s, learn {learn:.2f} s",
+        ),
+        "dask.array x @ W, y.T @ y": (
+            lambda c, w: array_pipeline.workload(c, w, 4096, 512),
+            "matmul per block (not measured)",
+        ),
+        "dask.bag fold": (lambda c, w: bag_fold.workload(c, w, 4, 16 * 2**20), "-"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    harness.add_cluster_arguments(p)
+    p.add_argument("--only", nargs="*", help="substrings of the application names to run")
+    p.add_argument("--out", default="benchmarks/results/applications")
+    args = p.parse_args(argv)
+    args.emulated = True
+    rows = []
+    for name, (workload, compute) in applications(args.workers).items():
+        if args.only and not any(s in name for s in args.only):
+            continue
+        print(f"# {name} ({harness.describe(args)})", flush=True)
+        outcomes = harness.compare(args, workload)
+        for metric, (value, higher) in outcomes["dask"].metrics.items():
+            ours = outcomes["hoplite"].metrics[metric][0]
+            gain = ours / value if higher else value / ours
+            rows.append([name, metric, value, ours, gain, compute])
+            print(
+                f"#   {metric}: Dask {value:.3f}, dask-hoplite {ours:.3f}, {gain:.2f}x", flush=True
+            )
+    print()
+    header = f"{'application':<28}{'metric':<30}{'Dask':>9}{'hoplite':>9}{'gain':>7}  compute/task"
+    print(header + "\n" + "-" * len(header))
+    for name, metric, value, ours, gain, compute in rows:
+        print(f"{name:<28}{metric:<30}{value:>9.3f}{ours:>9.3f}{gain:>6.2f}x  {compute}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(rows, f, indent=1)
+    plot(rows, args.out + ".png")
+    return 0
+
+
+def plot(rows: list[list[Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.5 * len(rows)))
+    labels = [f"{r[0]}\n{r[1]}" for r in rows]
+    ax.barh(labels, [r[4] for r in rows])
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("dask-hoplite's gain over Dask alone (x)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
