@@ -80,9 +80,14 @@ def _emulated(
     with emulation.EmulatedCluster(n, rate_mbit=rate_mbit) as ec:
         ec.enter_namespace("sched")
 
+        # The examples' modules, importable by the workers (a workload called
+        # from another script pickles its functions by reference).
+        here = os.path.dirname(os.path.abspath(__file__))
+        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+
         @contextlib.contextmanager
         def client() -> Iterator[Client]:
-            ec.start_dask(env=SINGLE_THREADED)
+            ec.start_dask(env={**SINGLE_THREADED, "PYTHONPATH": path})
             try:
                 with Client(ec.scheduler_address) as c:
                     yield c
