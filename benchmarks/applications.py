@@ -87,18 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.emulated = True
     rows = []
-    for name, (workload, compute) in applications(args.workers).items():
-        if args.only and not any(s in name for s in args.only):
-            continue
-        print(f"# {name} ({harness.describe(args)})", flush=True)
-        outcomes = harness.compare(args, workload)
-        for metric, (value, higher) in outcomes["dask"].metrics.items():
-            ours = outcomes["hoplite"].metrics[metric][0]
-            gain = ours / value if higher else value / ours
-            rows.append([name, metric, value, ours, gain, compute])
-            print(
-                f"#   {metric}: Dask {value:.3f}, dask-hoplite {ours:.3f}, {gain:.2f}x", flush=True
-            )
+    apps = {
+        name: app
+        for name, app in applications(args.workers).items()
+        if not args.only or any(s in name for s in args.only)
+    }
+    with harness.environment(args) as new_client:  # one emulated network for all
+        for name, (workload, compute) in apps.items():
+            print(f"# {name} ({harness.describe(args)})", flush=True)
+            outcomes = harness.compare(args, workload, new_client)
+            for metric, (value, higher) in outcomes["dask"].metrics.items():
+                ours = outcomes["hoplite"].metrics[metric][0]
+                gain = ours / value if higher else value / ours
+                rows.append([name, metric, value, ours, gain, compute])
+                print(
+                    f"#   {metric}: Dask {value:.3f}, hoplite {ours:.3f}, {gain:.2f}x", flush=True
+                )
     print()
     header = f"{'application':<28}{'metric':<30}{'Dask':>9}{'hoplite':>9}{'gain':>7}  compute/task"
     print(header + "\n" + "-" * len(header))

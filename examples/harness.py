@@ -103,17 +103,31 @@ def describe(args: argparse.Namespace) -> str:
     return f"LocalCluster, {args.workers} worker processes (loopback)"
 
 
-def compare(args: argparse.Namespace, workload: Workload) -> dict[str, Outcome]:
+NewClient = Callable[[], contextlib.AbstractContextManager[Client]]
+
+
+def environment(args: argparse.Namespace) -> contextlib.AbstractContextManager[NewClient]:
+    """Where the clusters run: yields a function that starts a fresh cluster
+    and returns a client of it. One emulated network per process (its client
+    enters the scheduler host's namespace before any thread starts)."""
+    return _emulated(args.workers, args.rate_mbit) if args.emulated else _local(args.workers)
+
+
+def compare(
+    args: argparse.Namespace, workload: Workload, new_client: NewClient | None = None
+) -> dict[str, Outcome]:
     """Run ``workload`` on a fresh cluster with Dask alone ("dask"), then on
-    another with dask-hoplite registered ("hoplite")."""
-    env = _emulated(args.workers, args.rate_mbit) if args.emulated else _local(args.workers)
+    another with dask-hoplite registered ("hoplite"), in ``new_client``'s
+    environment (default: a new one from ``args``)."""
+    if new_client is None:
+        with environment(args) as new_client:
+            return compare(args, workload, new_client)
     outcomes: dict[str, Outcome] = {}
-    with env as new_client:
-        for mode in ("dask", "hoplite"):
-            with new_client() as client:
-                if mode == "hoplite":
-                    client.register_plugin(dask_hoplite.Hoplite())
-                outcomes[mode] = workload(client, worker_addresses(client))
+    for mode in ("dask", "hoplite"):
+        with new_client() as client:
+            if mode == "hoplite":
+                client.register_plugin(dask_hoplite.Hoplite())
+            outcomes[mode] = workload(client, worker_addresses(client))
     return outcomes
 
 
