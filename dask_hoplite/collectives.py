@@ -38,6 +38,7 @@ from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
 from dask_hoplite.core.reduce_ops import resolve_op
+from dask_hoplite.core.reduce_plan import PlanRequest
 from dask_hoplite.core.reduce_spec import ReduceSpec, reduce_values
 from dask_hoplite.scheduler_queries import hoplite_registered
 from dask_hoplite.worker import tasks
@@ -86,9 +87,9 @@ def _as_list(*xs: Any) -> list[Any]:
 async def _reduce_async(
     client: Client, futures: list[Future], op: Any, k: int | None, copies: bool = False
 ) -> list[Future]:
-    """Plan and submit a reduction; returns [result] or, with ``copies``, the
-    result followed by one copy per other worker holding an input, streamed
-    while the reduction runs (allreduce)."""
+    """Plan and submit an allreduce once its inputs are ready: the result
+    followed by one copy per other worker holding an input, streamed while
+    the reduction runs."""
     rop = resolve_op(op)
     n = len(futures)
     if n == 0:
@@ -383,23 +384,55 @@ def reduce(inputs: Sequence[Any], op: Any = "sum", k: int | None = None) -> Futu
     result equals numpy's reduction over a stack of the inputs (e.g.
     ``np.sum(np.stack(inputs), axis=0)``), up to the order of combination. With
     ``k``, only the first ``k`` inputs to be ready are reduced; see
-    :func:`reduced_inputs`. Returns a Future of the result, on one worker.
+    :func:`reduced_inputs`. Returns a Future of the result, on one worker, at
+    once, like ``client.submit``: the inputs may still be pending, and the
+    first ``k`` are chosen on the cluster as they finish
+    (:mod:`dask_hoplite.worker.planned_reduce`).
     """
     client = _client(inputs)
     futures = _as_futures(client, inputs)
-    return client.sync(_reduce_one, client, futures, op, k)
+    name = resolve_op(op).name
+    n = len(futures)
+    if n == 0:
+        raise ValueError("reduce needs at least one input")
+    k = n if k is None else k
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= n:
+        raise ValueError(f"k must be an int in [1, {n}] (the number of inputs), got {k!r}")
+    cfg = HopliteConfig.from_dask_config()
+    rid = uuid.uuid4().hex
+    plan_key, result_key = f"hoplite-plan-{name}-{rid}", f"hoplite-reduce-{name}-{rid}"
+    req = PlanRequest(
+        rid, name, tuple(f.key for f in futures), k, result_key, cfg.min_bytes, cfg.block_bytes
+    )
+    # One graph: the planning task (no dependencies: it waits on the cluster
+    # for the first k inputs) and the result task, which runs where the plan
+    # restricts it, or anywhere if that worker is gone (loose restrictions).
+    plan, result = client.get(
+        {plan_key: (tasks.plan_reduce, req), result_key: (tasks.run_reduce, plan_key)},
+        [plan_key, result_key],
+        allow_other_workers=True,
+        sync=False,
+    )
+    setattr(result, _INPUTS_ATTR, plan)
+    # The inputs stay while the reduction may read them (outside Dask's graph).
+    _keep_until_done(futures, [result])
+    return result
 
 
-async def _reduce_one(client: Client, futures: list[Future], op: Any, k: int | None) -> Future:
-    return (await _reduce_async(client, futures, op, k))[0]
-
-
-def reduced_inputs(result: Future) -> list[Any]:
-    """The keys of the inputs a :func:`reduce` result contains."""
-    keys = getattr(result, _INPUTS_ATTR, None)
-    if keys is None:
+def reduced_inputs(result: Future) -> Any:
+    """The keys of the inputs a :func:`reduce` result contains (with an
+    asynchronous client, an awaitable of them). Waits for the choice of the
+    first ``k``, not for the reduction."""
+    chosen = getattr(result, _INPUTS_ATTR, None)
+    if chosen is None:
         raise ValueError(f"{result!r} is not the result of dask_hoplite.reduce")
-    return list(keys)
+    if isinstance(chosen, Future):
+        return chosen.client.sync(_reduced_inputs, chosen)
+    return list(chosen)
+
+
+async def _reduced_inputs(plan: Future) -> list[Any]:
+    return list((await plan)["chosen"])
 
 
 def broadcast(future: Any, workers: Sequence[str] | None = None) -> list[Future]:

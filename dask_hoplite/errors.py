@@ -33,6 +33,11 @@ class ReduceInputError(ValueError):
     not an array. Final: a reduction that meets one is not retried."""
 
 
+class ReduceInputLost(RuntimeError):
+    """An input of a reduction failed or was released before it was ready, and
+    the reduction cannot get the ``k`` inputs it needs without it."""
+
+
 class NodeFailed(RuntimeError):
     """A node of a reduce tree failed (its worker died, stalled or refused)."""
 

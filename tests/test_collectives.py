@@ -340,3 +340,38 @@ def test_collectives_work_on_a_cluster_without_the_plugin(nbytes):
         assert "hoplite_info" not in c.run_on_scheduler(
             lambda dask_scheduler: dask_scheduler.handlers
         )
+
+
+def _slow_array(i, seconds):
+    time.sleep(seconds)
+    return np.full(1000, float(i))
+
+
+def test_reduce_returns_at_once_and_chooses_the_first_k_on_the_cluster(client):
+    """dh.reduce on inputs that take 5 s returns a Future at once, like
+    client.submit; the result and reduced_inputs are right."""
+    futures = [client.submit(_slow_array, i, 5, pure=False) for i in range(4)]
+    t0 = time.monotonic()
+    total = dh.reduce(futures, "sum", k=3)
+    returned = time.monotonic() - t0
+    assert returned < 0.5, f"dh.reduce blocked for {returned:.2f}s"
+    assert total.status == "pending"
+    used = dh.reduced_inputs(total)
+    assert len(set(used)) == 3 and set(used) <= {f.key for f in futures}
+    values = {f.key: float(i) for i, f in enumerate(futures)}
+    np.testing.assert_array_equal(total.result(), np.full(1000, sum(values[k] for k in used)))
+
+
+def test_a_reduction_over_a_failed_input_names_it(client):
+    def bad():
+        raise ZeroDivisionError("boom")
+
+    good = scatter(client, [np.ones(10), np.ones(10)])
+    failing = client.submit(bad, pure=False)
+    total = dh.reduce(good + [failing], "sum")  # returns at once, fails on the cluster
+    with pytest.raises(Exception, match=f"input '{failing.key}' of the reduction failed"):
+        total.result()
+    # with k=2 the failed input is simply not chosen
+    np.testing.assert_array_equal(
+        dh.reduce(good + [failing], "sum", k=2).result(), np.full(10, 2.0)
+    )

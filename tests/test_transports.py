@@ -93,7 +93,7 @@ def test_reduce_over_inproc_uses_buffered_children():
             futures = [
                 await c.scatter(a, workers=[ws[i % 3]], hash=False) for i, a in enumerate(arrays)
             ]
-            total = await dh.reduce(futures, "sum")
+            total = dh.reduce(futures, "sum")  # a Future at once, as client.submit
             np.testing.assert_array_equal(await total, sum(arrays))
             parts = await dh.allreduce(futures, "max")
             for p in parts:

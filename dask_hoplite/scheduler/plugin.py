@@ -25,6 +25,7 @@ from dask_hoplite.core.directory import ObjectDirectory
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.scheduler.amm import StreamDropGuard
 from dask_hoplite.scheduler.directory_service import DirectoryService
+from dask_hoplite.scheduler.first_ready import FirstReady
 from dask_hoplite.scheduler.graph_rewrite import GraphRewrite
 from dask_hoplite.scheduler.patching import Override
 from dask_hoplite.scheduler.queries import SchedulerQueries
@@ -67,6 +68,7 @@ class Hoplite(SchedulerPlugin):
         self.network: NetworkModel | None = None
         self.service: DirectoryService | None = None
         self.replicator: ReplicateOverride | None = None
+        self.first_ready: FirstReady | None = None
         self.overrides: list[Override] = []
         #: The one handler table: RPC / stream-message name -> handler.
         self.handler_table: dict[str, Callable[..., Any]] = {}
@@ -116,6 +118,7 @@ class Hoplite(SchedulerPlugin):
         pins = previous.replicator.pins if previous and previous.replicator else None
         self.service = service = DirectoryService(directory, network, config, s.tasks.get, waiting)
         queries = SchedulerQueries(s.tasks.get, network)
+        self.first_ready = first_ready = FirstReady(s.tasks.get, network)
         self.replicator = ReplicateOverride(config, pins)
         self.overrides = [self.replicator]
         if config.array_reductions or config.bag_reductions:
@@ -131,6 +134,7 @@ class Hoplite(SchedulerPlugin):
             "hoplite_locate": queries.locate,
             "hoplite_key_states": queries.key_states,
             "hoplite_task_worker": queries.task_worker,
+            "hoplite_first_ready": first_ready.first_ready,
         }
 
     def _install(self, s: Scheduler) -> None:
@@ -173,6 +177,8 @@ class Hoplite(SchedulerPlugin):
     def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.service is not None:
             self.service.key_transitioned(key, start, finish, kwargs.get("worker"))
+        if self.first_ready is not None:
+            self.first_ready.key_transitioned(key, finish)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         if self.service is not None:

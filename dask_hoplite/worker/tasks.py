@@ -13,6 +13,8 @@ from typing import Any
 from distributed import get_worker
 from distributed.worker import Worker
 
+from dask_hoplite.core.reduce_plan import PlanRequest
+from dask_hoplite.worker import planned_reduce
 from dask_hoplite.worker.context import PLUGIN_NAME, run_on_loop
 from dask_hoplite.worker.plugin import HopliteWorker, WorkerParts
 
@@ -27,6 +29,18 @@ def worker_part(w: Worker) -> WorkerParts:
             "register dask_hoplite.Hoplite() first"
         )
     return plugin.parts
+
+
+async def plan_reduce(req: PlanRequest) -> dict[str, Any]:
+    """The planning task of a reduction: waits on the cluster for its first k
+    inputs and returns the plan (a coroutine: it waits on the event loop and
+    holds no thread of the worker)."""
+    return await planned_reduce.choose_and_plan(get_worker(), req)
+
+
+async def run_reduce(plan: dict[str, Any]) -> Any:
+    """The result task of a reduction: runs ``plan`` on the root's worker."""
+    return await planned_reduce.run_plan(get_worker(), plan)
 
 
 def reduce_root(value: Any, spec: dict[str, Any]) -> Any:

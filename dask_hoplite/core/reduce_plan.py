@@ -1,0 +1,99 @@
+"""How one reduction will run, decided once its inputs are ready. Pure: no
+I/O, no event loop.
+
+:func:`plan_reduction` turns what the scheduler says about the chosen inputs
+(who holds them, how big they are, how fast the network is) into a plan, a
+msgpack-able dict with ``mode``:
+
+- ``"tree"``: a pipelined reduce tree (``spec``, a :class:`ReduceSpec`
+  message) rooted on ``root``, the worker holding the root's input;
+- ``"values"``: one task on ``root`` fetches the inputs and reduces them, as
+  Dask alone would (small objects, or dask-hoplite not registered: ``net``
+  is None).
+
+``chosen`` lists the input keys the result contains and ``spares`` the ones
+that were not chosen (``k < n``), which a tree may take instead of a chosen
+input that is lost while it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dask.typing import Key
+
+from dask_hoplite.core.network_model import NetworkEstimate
+from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
+from dask_hoplite.core.reduce_spec import ReduceSpec
+
+
+def tree_spec(
+    rid: str,
+    op: str,
+    keys: Sequence[Key],
+    addresses: Sequence[str],
+    net: NetworkEstimate,
+    size: int,
+    block_bytes: int,
+) -> ReduceSpec:
+    """One reduce tree over ``keys`` (held by ``addresses``) shaped by the
+    network estimate, with the inputs of one worker next to each other (their
+    combination then crosses no NIC); the input at the root's position stays
+    there."""
+    plan = plan_reduce_tree(len(keys), max_chain_length(size, net.bandwidth, net.latency))
+    order = colocated_order(plan.parent, list(addresses), plan.root)
+    return ReduceSpec(
+        rid=rid,
+        op=op,
+        inputs=tuple(keys[i] for i in order),
+        addresses=tuple(addresses[i] for i in order),
+        parent=plan.parent,
+        shape=(),
+        dtype="",
+        block_bytes=block_bytes,
+    )
+
+
+def plan_reduction(
+    rid: str,
+    op: str,
+    chosen: Sequence[Key],
+    spares: Sequence[Key],
+    who_has: Mapping[Key, Sequence[str]],
+    nbytes: Mapping[Key, int],
+    net: NetworkEstimate | None,
+    min_bytes: int,
+    block_bytes: int,
+) -> dict[str, Any]:
+    """The plan for reducing ``chosen`` (every one held somewhere: ``who_has``
+    lists a holder for each)."""
+    addresses = []
+    for key in chosen:
+        holders = sorted(who_has.get(key) or ())
+        if not holders:
+            raise ValueError(f"input {key!r} has no holder to plan with")
+        addresses.append(holders[0])
+    size = max(int(nbytes.get(key, 0) or 0) for key in chosen)
+    plan: dict[str, Any] = {"chosen": list(chosen), "spares": list(spares), "op": op}
+    if net is None or size < min_bytes:
+        return {**plan, "mode": "values", "root": addresses[0]}
+    spec = tree_spec(rid, op, chosen, addresses, net, size, block_bytes)
+    return {**plan, "mode": "tree", "spec": spec.to_msg(), "root": spec.addresses[spec.root]}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a reduction's planning task is given: its inputs (keys, which Dask
+    must not take for dependencies: this object is passed as it is), how many
+    of them to reduce, the op, the key of its result task, and the client's
+    ``hoplite.min-bytes`` and ``hoplite.block-bytes`` at the call."""
+
+    rid: str
+    op: str
+    inputs: tuple[Key, ...]
+    k: int
+    result: Key
+    min_bytes: int
+    block_bytes: int

@@ -1,0 +1,174 @@
+"""A reduction submitted at once, decided on the cluster.
+
+:func:`dask_hoplite.reduce` returns as fast as ``client.submit``: it submits
+two tasks in one graph, a planning task with no dependencies and the result
+task, which depends only on the plan. The planning task
+(:func:`choose_and_plan`) waits on the cluster for the first ``k`` inputs to be
+ready (the scheduler part's ``hoplite_first_ready``; without dask-hoplite,
+``as_completed`` on the worker's client), plans with
+:mod:`dask_hoplite.core.reduce_plan`, and restricts the result task to the
+root's worker (it was submitted with loose restrictions: if that worker dies,
+Dask runs it elsewhere). The result task (:func:`run_plan`) runs the reduce
+tree rooted there, or fetches the inputs and reduces them in one go.
+
+An input that becomes ready and then loses its holder before the plan is made
+is not ready any more: the scheduler recomputes it, and with ``k < n`` a
+spare that is ready is chosen instead. An input that cannot come back
+(erred, forgotten) when ``k`` can no longer be reached raises an error naming
+it; Dask's own :class:`~distributed.KilledWorker` is raised as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from dask.typing import Key
+from distributed import KilledWorker, Reschedule
+from distributed.comm.core import CommClosedError
+from distributed.protocol import pickle
+from distributed.protocol.serialize import Serialized, deserialize
+from distributed.worker import Worker, get_data_from_worker
+
+from dask_hoplite.core.network_model import NetworkEstimate
+from dask_hoplite.core.reduce_plan import PlanRequest, plan_reduction
+from dask_hoplite.core.reduce_spec import reduce_values
+from dask_hoplite.errors import ReduceInputLost
+from dask_hoplite.scheduler_queries import METADATA_KEY
+from dask_hoplite.worker.context import PLUGIN_NAME
+
+logger = logging.getLogger(__name__)
+
+
+def _worker_part(w: Worker) -> Any:
+    """The running worker part (:class:`~dask_hoplite.worker.plugin.WorkerParts`)
+    or None where dask-hoplite is not installed."""
+    plugin = w.plugins.get(PLUGIN_NAME)
+    running = plugin is not None and getattr(plugin, "running", False)
+    return getattr(plugin, "parts", None) if running else None
+
+
+async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
+    """The plan of reduction ``req`` once ``k`` of its inputs are ready; the
+    result task is then restricted to the plan's root."""
+    keys: list[Key] = list(req.inputs)
+    k = req.k
+    registered = await w.scheduler.get_metadata(keys=[METADATA_KEY], default=None)
+    net: NetworkEstimate | None = None
+    if registered is not None:
+        m = await w.scheduler.hoplite_first_ready(keys=keys, k=k)
+        if "failed" in m:
+            await _raise_lost(m["failed"], m["state"], _exception(m.get("exception")))
+        chosen, who_has, nbytes = m["chosen"], m["who_has"], m["nbytes"]
+        net = NetworkEstimate.from_msg(m["network"])
+    else:
+        chosen, who_has, nbytes = await _first_ready_without_plugin(w, keys, k)
+    spares = list(keys)
+    for key in chosen:
+        spares.remove(key)
+    plan = plan_reduction(
+        req.rid,
+        req.op,
+        chosen,
+        spares,
+        who_has,
+        nbytes,
+        net,
+        req.min_bytes,
+        req.block_bytes,
+    )
+    await w.scheduler.set_restrictions(worker={req.result: [plan["root"]]})
+    logger.debug("reduction %s: %s over %s, root %s", req.rid, plan["mode"], chosen, plan["root"])
+    return plan
+
+
+async def _first_ready_without_plugin(
+    w: Worker, keys: list[Key], k: int, poll: float = 0.05
+) -> tuple[list[Key], dict[Key, list[str]], dict[Key, int]]:
+    """Dask alone: the first ``k`` of ``keys`` in memory, with holders, by
+    asking the scheduler's task states every ``poll`` seconds."""
+    seen: dict[Key, None] = {}  # ready keys, in the order first seen ready
+    while True:
+        states = await w.scheduler.get_task_status(keys=keys)
+        failed = [key for key in keys if states.get(key) in (None, "erred", "forgotten")]
+        for key in keys:
+            if states.get(key) == "memory":
+                seen.setdefault(key)
+            else:
+                seen.pop(key, None)
+        ready = [key for key in seen for _ in range(keys.count(key))][:k]
+        if len(ready) == k:
+            who_has = await w.scheduler.who_has(keys=ready)
+            if all(who_has.get(key) for key in ready):
+                nbytes = await w.scheduler.nbytes(keys=ready, summary=False)
+                return ready, who_has, nbytes
+        elif failed and len(keys) - len(failed) < k:
+            key = failed[0]
+            await _raise_lost(key, states.get(key), None)
+        await asyncio.sleep(poll)
+
+
+def _exception(value: Any) -> BaseException | None:
+    """An erred task's exception as the scheduler keeps it (serialized)."""
+    if isinstance(value, Serialized):
+        value = deserialize(value.header, value.frames)
+    if isinstance(value, bytes):
+        value = pickle.loads(value)
+    return value if isinstance(value, BaseException) else None
+
+
+async def _raise_lost(key: Key, state: str | None, exception: BaseException | None) -> None:
+    """Raise the error of input ``key`` that cannot come back: Dask's
+    KilledWorker as it is, any other error named after the input."""
+    if isinstance(exception, KilledWorker):
+        raise exception
+    if state == "erred":
+        raise ReduceInputLost(
+            f"input {key!r} of the reduction failed: {exception!r}"
+            if exception is not None
+            else f"input {key!r} of the reduction failed (its future holds the error)"
+        ) from exception
+    raise ReduceInputLost(
+        f"input {key!r} of the reduction is gone and cannot be recomputed "
+        f"(scheduler state: {state or 'unknown'}); was it cancelled or released?"
+    )
+
+
+async def run_plan(w: Worker, plan: dict[str, Any]) -> Any:
+    """The result of reduction ``plan`` (this is its result task)."""
+    part = _worker_part(w)
+    if plan["mode"] == "values":
+        values = await fetch_values(w, part, plan["chosen"])
+        return reduce_values(plan["op"], plan["chosen"], values)
+    if part is None:
+        raise RuntimeError(
+            f"dask-hoplite's worker part is not installed on {w.address}: "
+            "register dask_hoplite.Hoplite() first"
+        )
+    spec = plan["spec"]
+    root_key = spec["inputs"][spec["parent"].index(None)]
+    [value] = await fetch_values(w, part, [root_key])
+    return await part.roots.run(value, spec)
+
+
+async def fetch_values(w: Worker, part: Any, keys: list[Key]) -> list[Any]:
+    """The values of ``keys`` on this worker: from memory, through hoplite
+    where it runs, else from a holder with Dask's ``get_data``; reschedules
+    the task when an input has no holder left (Dask recomputes it first)."""
+    missing = [key for key in dict.fromkeys(keys) if key not in w.data]
+    who_has = await w.scheduler.who_has(keys=missing) if missing else {}
+    if part is not None:
+        return list(await part.receiver.fetch_parts(list(keys), who_has))
+    out = {key: w.data[key] for key in keys if key in w.data}
+    for key in missing:
+        for holder in who_has.get(key) or ():
+            with contextlib.suppress(OSError, CommClosedError, asyncio.TimeoutError):
+                resp = await get_data_from_worker(w.rpc, [key], holder, who=w.address)
+                if resp["status"] == "OK" and key in resp["data"]:
+                    out[key] = resp["data"][key]
+                    break
+        else:
+            raise Reschedule()
+    return [out[key] for key in keys]
