@@ -252,6 +252,36 @@ async def test_released_keys_leave_no_buffers_or_directory_entries(c, s, a, b, d
 
 
 @gen_cluster(client=True, nthreads=[("", 1)] * 2, config=SMALL)
+async def test_a_key_a_task_fetches_for_itself_leaves_no_buffer(c, s, a, b):
+    """Found by the chaos test: a reduction's result task rerun away from its
+    root fetched the root's input itself, through hoplite, into a buffer that
+    no Dask transition on that worker would ever release."""
+    await c.register_plugin(Hoplite())
+    x = c.submit(np.full, 100_000, 3.0, workers=[a.address], pure=False)
+    await wait(x)
+    receiver = b.plugins["hoplite-worker"].parts.receiver
+    [value] = await receiver.fetch_parts([x.key], {x.key: [a.address]})
+    assert float(value.sum()) == 300_000.0
+    assert b.plugins["hoplite-worker"].stats["keys-received"] == 1  # it came through hoplite
+    assert x.key not in b.state.tasks  # Dask does not know b has it
+    for _ in range(200):
+        info = await c.scheduler.hoplite_info()
+        if len(b.plugins["hoplite-worker"].store) == 0 and info["objects"] <= 1:
+            break
+        await asyncio.sleep(0.02)
+    assert len(b.plugins["hoplite-worker"].store) == 0
+    del x
+    while s.tasks:
+        await asyncio.sleep(0.01)
+    for _ in range(200):
+        info = await c.scheduler.hoplite_info()
+        if info["objects"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert info["objects"] == 0
+
+
+@gen_cluster(client=True, nthreads=[("", 1)] * 2, config=SMALL)
 async def test_a_received_buffer_can_be_deserialised_again_and_served_on(c, s, a, b):
     """Dask's deserialize mutates collection headers; a relay deserialises its
     copy and then serves the same layout to others."""

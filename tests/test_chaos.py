@@ -176,7 +176,9 @@ def settle(client: Client) -> None:
         )
         # a worker that just died cannot answer: it holds nothing any more
         buffers = client.run(
-            lambda dask_worker: len(dask_worker.plugins["hoplite-worker"].store),
+            lambda dask_worker: [
+                repr(b) for b in dask_worker.plugins["hoplite-worker"].store.buffers.values()
+            ],
             on_error="ignore",
         )
         if entries == 0 and not any(buffers.values()):

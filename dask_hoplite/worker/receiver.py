@@ -59,6 +59,15 @@ class Receiver:
     def is_fetching(self, key: Key) -> bool:
         return key in self.fetching
 
+    def drop_untracked(self, key: Key) -> None:
+        """Drop our copy of ``key``, which Dask does not track here (so no
+        transition of Dask's would), and tell the directory; streams reading
+        it from us finish from the buffer they hold."""
+        if key in self.fetching:
+            return  # another local fetch of it runs; it decides
+        self.ctx.store.release(key)
+        self.ctx.send({"op": "hoplite-released", "key": key})
+
     async def fetch(self, key: Key) -> tuple[bool, Any]:
         """Fetch ``key`` through hoplite. Returns ``(True, value)``;
         ``(False, GONE)`` when the key is in memory nowhere (lost or being
@@ -212,13 +221,19 @@ class Receiver:
         """The values of ``keys`` here: from memory, through hoplite, or from a
         holder by Dask's own ``get_data``. Raises :class:`distributed.Reschedule`
         when a key cannot be had from any holder (the scheduler then recomputes
-        it from its lineage and runs the task again)."""
+        it from its lineage and runs the task again).
+
+        A key fetched through hoplite that Dask does not track on this worker
+        (a task's own fetch, not a dependency) leaves no copy in the store:
+        no Dask transition would ever release it here."""
         w = self.ctx.worker
         out: dict[Key, Any] = {k: w.data[k] for k in keys if k in w.data}
         for key in keys:
             if key in out:
                 continue
             ok, value = await self.fetch(key)
+            if key not in w.state.tasks and key in self.ctx.store:
+                self.drop_untracked(key)
             if ok:
                 out[key] = value
                 continue
