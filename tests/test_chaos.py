@@ -6,6 +6,11 @@ buffer is left.
 
 Runs per collective: ``HOPLITE_CHAOS_KILLS`` (default 50) with SIGKILL and
 ``HOPLITE_CHAOS_STOPS`` (default 20) with SIGSTOP.
+
+``reduce-pending`` calls ``dh.reduce`` (at times with ``k < n``) right after
+its inputs were submitted, while they still compute, and kills a worker in
+the first 0.4 s: the result must hold exactly the inputs ``reduced_inputs``
+names, and the only error allowed is Dask's own ``KilledWorker``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections import Counter
 import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import Client, KilledWorker, LocalCluster, wait
 
 import dask_hoplite as dh
 from dask_hoplite.compat import worker_addresses
@@ -102,6 +107,11 @@ def diagnose(outs: list) -> str:
 
 def make(nbytes: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).random(nbytes // 8)
+
+
+def make_slowly(nbytes: int, seed: int, seconds: float) -> np.ndarray:
+    time.sleep(seconds)
+    return make(nbytes, seed)
 
 
 def digest(x: np.ndarray) -> tuple[int, float]:
@@ -223,15 +233,17 @@ def strike(pid: int, sig: int, after: float) -> threading.Thread:
 def run_once(client: Client, kind: str, sig: int, rng: random.Random) -> str:
     ok = collective(client, kind, sig, rng)  # every future is released on return
     settle(client)
-    return "ok" if ok else "WRONG"
+    return ok if isinstance(ok, str) else "ok" if ok else "WRONG"
 
 
-def collective(client: Client, kind: str, sig: int, rng: random.Random) -> bool:
+def collective(client: Client, kind: str, sig: int, rng: random.Random) -> bool | str:
     pids = live_pids(client)
     ws = [w for w in workers(client) if w in pids]
     size = rng.choice([8, 32, 64]) * 2**20
     victim = rng.choice(ws)
     after = rng.uniform(0.0, 0.6)
+    if kind == "reduce-pending":
+        return reduce_pending(client, ws, pids[victim], sig, size, rng)
     if kind == "broadcast":
         x = client.submit(make, size, 7, workers=[ws[0]], allow_other_workers=True, pure=False)
         wait(x)
@@ -283,6 +295,44 @@ def collective(client: Client, kind: str, sig: int, rng: random.Random) -> bool:
     return ok
 
 
+def reduce_pending(
+    client: Client, ws: list[str], pid: int, sig: int, size: int, rng: random.Random
+) -> bool | str:
+    """``dh.reduce`` called at once on inputs that still compute (0.2 to 1 s),
+    a worker killed in the first 0.4 s; the result must be the sum of the
+    inputs it names. Returns "KilledWorker" when Dask gave up on a task."""
+    n = len(ws)
+    inputs = [
+        client.submit(
+            make_slowly,
+            size,
+            i,
+            rng.uniform(0.2, 1.0),
+            workers=[w],
+            allow_other_workers=True,
+            pure=False,
+        )
+        for i, w in enumerate(ws)
+    ]
+    t = strike(pid, sig, rng.uniform(0.0, 0.4))
+    k = rng.choice([n, n - 1])
+    out = dh.reduce(inputs, "sum", k=k)
+    finish([out], f"reduce-pending k={k}")
+    t.join()
+    try:
+        got = out.result()
+    except KilledWorker:
+        return "KilledWorker"
+    keys = [f.key for f in inputs]
+    chosen = [keys.index(key) for key in dh.reduced_inputs(out)]
+    assert len(chosen) == k == len(set(chosen)), chosen
+    expected = sum(make(size, i) for i in chosen)
+    ok = np.shape(got) == expected.shape and np.allclose(got, expected)
+    if not ok:
+        print(f"WRONG reduce-pending size={size} k={k} chosen={chosen}")  # noqa: T201
+    return ok
+
+
 def chaos(client: Client, kind: str, runs: list[int], rng: random.Random) -> None:
     outcomes: Counter[str] = Counter()
     for i, sig in enumerate(runs):
@@ -291,11 +341,15 @@ def chaos(client: Client, kind: str, runs: list[int], rng: random.Random) -> Non
         except Hung as e:
             outcomes["HUNG"] += 1
             raise AssertionError(f"{kind} run {i} ({signal.Signals(sig).name}) hung: {e}") from None
-    assert outcomes == Counter(ok=len(runs)), outcomes
+    # Dask's own verdict on a task that killed too many workers is allowed
+    # where the inputs are still being computed when a worker dies.
+    allowed = {"ok", "KilledWorker"} if kind == "reduce-pending" else {"ok"}
+    print(f"{kind}: {dict(outcomes)}")  # noqa: T201
+    assert set(outcomes) <= allowed and sum(outcomes.values()) == len(runs), outcomes
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("kind", ["broadcast", "reduce", "allreduce"])
+@pytest.mark.parametrize("kind", ["broadcast", "reduce", "allreduce", "reduce-pending"])
 def test_chaos_kill(client, kind):
     chaos(client, kind, [signal.SIGKILL] * KILLS, random.Random(f"hoplite-{kind}"))
 
