@@ -377,7 +377,9 @@ def _allreduce_small(
     return [result, *copies]
 
 
-def reduce(inputs: Sequence[Any], op: Any = "sum", k: int | None = None) -> Future:
+def reduce(
+    inputs: Sequence[Any], op: Any = "sum", k: int | None = None, to: str | None = None
+) -> Future:
     """Reduce ``inputs`` (numpy arrays of one shape and dtype) with ``op``.
 
     ``op`` is 'sum', 'prod', 'min', 'max', 'mean' or any binary numpy ufunc; the
@@ -388,6 +390,10 @@ def reduce(inputs: Sequence[Any], op: Any = "sum", k: int | None = None) -> Futu
     once, like ``client.submit``: the inputs may still be pending, and the
     first ``k`` are chosen on the cluster as they finish
     (:mod:`dask_hoplite.worker.planned_reduce`).
+
+    ``to``: the address of the worker the result must be on (e.g. a parameter
+    server's); the tree is rooted there, with an input that worker holds when
+    one is chosen. If that worker dies, the result is made elsewhere.
     """
     client = _client(inputs)
     futures = _as_futures(client, inputs)
@@ -401,8 +407,10 @@ def reduce(inputs: Sequence[Any], op: Any = "sum", k: int | None = None) -> Futu
     cfg = HopliteConfig.from_dask_config()
     rid = uuid.uuid4().hex
     plan_key, result_key = f"hoplite-plan-{name}-{rid}", f"hoplite-reduce-{name}-{rid}"
+    if to is not None and not isinstance(to, str):
+        raise TypeError(f"to must be a worker address (str), got {type(to).__name__}")
     req = PlanRequest(
-        rid, name, tuple(f.key for f in futures), k, result_key, cfg.min_bytes, cfg.block_bytes
+        rid, name, tuple(f.key for f in futures), k, result_key, cfg.min_bytes, cfg.block_bytes, to
     )
     # One graph: the planning task (no dependencies: it waits on the cluster
     # for the first k inputs) and the result task, which runs where the plan

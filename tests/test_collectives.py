@@ -407,3 +407,23 @@ def test_a_reduction_future_is_an_ordinary_future(client):
             break
         assert time.monotonic() < deadline, f"left: {entries} entries, buffers {buffers}"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("size", [1000, 2**21])  # one task, a reduce tree
+def test_reduce_to_puts_the_result_on_that_worker(client, size):
+    ws = workers(client)
+    inputs = [np.full(size, float(i)) for i in range(4)]
+    futures = [client.scatter(x, workers=[ws[i % 2]]) for i, x in enumerate(inputs)]
+    for to in (ws[1], ws[2]):  # holds inputs; holds none
+        total = dh.reduce(futures, "sum", to=to)
+        np.testing.assert_array_equal(total.result(), np.full(size, 6.0))
+        assert client.who_has([total])[total.key] == (to,)
+
+
+def test_reduce_to_an_unknown_worker_says_so(client):
+    futures = scatter(client, [np.ones(10), np.ones(10)])
+    with pytest.raises(ValueError, match="to='tcp://nowhere:1' is not a worker"):
+        dh.reduce(futures, to="tcp://nowhere:1").result()
+    with pytest.raises(TypeError, match="to must be a worker address"):
+        dh.reduce(futures, to=3)
+    np.testing.assert_array_equal(dh.reduce(futures).result(), np.full(10, 2.0))

@@ -37,18 +37,25 @@ def tree_spec(
     net: NetworkEstimate,
     size: int,
     block_bytes: int,
+    to: str | None = None,
 ) -> ReduceSpec:
     """One reduce tree over ``keys`` (held by ``addresses``) shaped by the
     network estimate, with the inputs of one worker next to each other (their
     combination then crosses no NIC); the input at the root's position stays
-    there."""
+    there. With ``to``, the root is on worker ``to``: with an input ``to``
+    holds when there is one, else with the first input (which ``to`` then
+    fetches before the tree starts)."""
     plan = plan_reduce_tree(len(keys), max_chain_length(size, net.bandwidth, net.latency))
-    order = colocated_order(plan.parent, list(addresses), plan.root)
+    root_input = addresses.index(to) if to in addresses else plan.root
+    order = colocated_order(plan.parent, list(addresses), root_input)
+    ordered = [addresses[i] for i in order]
+    if to is not None:
+        ordered[plan.root] = to
     return ReduceSpec(
         rid=rid,
         op=op,
         inputs=tuple(keys[i] for i in order),
-        addresses=tuple(addresses[i] for i in order),
+        addresses=tuple(ordered),
         parent=plan.parent,
         shape=(),
         dtype="",
@@ -66,20 +73,21 @@ def plan_reduction(
     net: NetworkEstimate | None,
     min_bytes: int,
     block_bytes: int,
+    to: str | None = None,
 ) -> dict[str, Any]:
     """The plan for reducing ``chosen`` (every one held somewhere: ``who_has``
-    lists a holder for each)."""
+    lists a holder for each), with the result on worker ``to`` if given."""
     addresses = []
     for key in chosen:
         holders = sorted(who_has.get(key) or ())
         if not holders:
             raise ValueError(f"input {key!r} has no holder to plan with")
-        addresses.append(holders[0])
+        addresses.append(to if to in holders else holders[0])
     size = max(int(nbytes.get(key, 0) or 0) for key in chosen)
     plan: dict[str, Any] = {"chosen": list(chosen), "spares": list(spares), "op": op}
     if net is None or size < min_bytes:
-        return {**plan, "mode": "values", "root": addresses[0]}
-    spec = tree_spec(rid, op, chosen, addresses, net, size, block_bytes)
+        return {**plan, "mode": "values", "root": to or addresses[0]}
+    spec = tree_spec(rid, op, chosen, addresses, net, size, block_bytes, to)
     return {**plan, "mode": "tree", "spec": spec.to_msg(), "root": spec.addresses[spec.root]}
 
 
@@ -88,7 +96,8 @@ class PlanRequest:
     """What a reduction's planning task is given: its inputs (keys, which Dask
     must not take for dependencies: this object is passed as it is), how many
     of them to reduce, the op, the key of its result task, and the client's
-    ``hoplite.min-bytes`` and ``hoplite.block-bytes`` at the call."""
+    ``hoplite.min-bytes`` and ``hoplite.block-bytes`` at the call; ``to``:
+    the worker the result must be on (None: the planner picks the root)."""
 
     rid: str
     op: str
@@ -97,3 +106,4 @@ class PlanRequest:
     result: Key
     min_bytes: int
     block_bytes: int
+    to: str | None = None

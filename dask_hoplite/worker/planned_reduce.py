@@ -55,6 +55,12 @@ async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
     result task is then restricted to the plan's root."""
     keys: list[Key] = list(req.inputs)
     k = req.k
+    if req.to is not None:
+        workers = (await w.scheduler.identity())["workers"]
+        if req.to not in workers:
+            raise ValueError(
+                f"to={req.to!r} is not a worker of this cluster; workers: {sorted(workers)}"
+            )
     registered = await w.scheduler.get_metadata(keys=[METADATA_KEY], default=None)
     net: NetworkEstimate | None = None
     if registered is not None:
@@ -78,6 +84,7 @@ async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
         net,
         req.min_bytes,
         req.block_bytes,
+        req.to,
     )
     await w.scheduler.set_restrictions(worker={req.result: [plan["root"]]})
     logger.debug("reduction %s: %s over %s, root %s", req.rid, plan["mode"], chosen, plan["root"])
