@@ -7,9 +7,12 @@ over the same emulated network (8 worker hosts at 1 Gbit/s by default). The
 tasks compute for real; the table states each one's compute time, measured in
 this process on one core before the runs (on this 2-core machine the 8
 emulated hosts share the cores, so compute also costs more there than on a
-real cluster).
+real cluster). With ``--sleep`` the SGD gradients, which all 8 hosts compute
+at once, sleep their measured single-core time instead, as 8 real hosts
+would take; the table says which.
 
-    python benchmarks/applications.py [--workers 8] [--rate-mbit 1000] [--only ensemble sgd ...]
+    python benchmarks/applications.py [--workers 8] [--rate-mbit 1000] [--sleep]
+        [--only ensemble sgd ...]
 """
 
 from __future__ import annotations
@@ -40,14 +43,20 @@ def timed(fn: Callable[..., Any], *args: Any) -> float:
     return time.perf_counter() - t0
 
 
-def applications(n: int) -> dict[str, tuple[Callable[[Any, list[str]], Any], str]]:
-    """name -> (workload, its compute per task measured here on one core)."""
+def applications(
+    n: int, sleep: bool = False
+) -> dict[str, tuple[Callable[[Any, list[str]], Any], str]]:
+    """name -> (workload, its compute per task measured here on one core).
+    ``sleep``: the SGD gradients are replaced by a sleep of their measured
+    single-core time (the other applications always compute)."""
     batch = ensemble.load_batch(0, 1365)
     model = ensemble.load_model(0)
     predict = timed(ensemble.predict, model, batch)
     p = 32 * 2**20
     shard = async_sgd.make_shard(0, 200_000, p)
     grad = timed(async_sgd.gradient, async_sgd.zeros(p), shard)
+    stand_in = grad if sleep else None
+    how = "slept" if sleep else "computed"
     policy = rl_weights.init_policy(16384, 1024)
     roll = timed(rl_weights.rollout, policy, 0, 0, 64)
     traj = rl_weights.rollout(policy, 0, 0, 64)
@@ -58,12 +67,12 @@ def applications(n: int) -> dict[str, tuple[Callable[[Any, list[str]], Any], str
             f"predict {predict:.2f} s",
         ),
         "async SGD (k=6 of 8)": (
-            lambda c, w: async_sgd.workload(c, w, p, 200_000, 6, 10, 0.5),
-            f"gradient {grad:.2f} s",
+            lambda c, w: async_sgd.workload(c, w, p, 200_000, 6, 10, 0.5, stand_in),
+            f"gradient {grad:.2f} s, {how}",
         ),
         "sync SGD (k=8 of 8)": (
-            lambda c, w: async_sgd.workload(c, w, p, 200_000, n, 10, 0.5),
-            f"gradient {grad:.2f} s",
+            lambda c, w: async_sgd.workload(c, w, p, 200_000, n, 10, 0.5, stand_in),
+            f"gradient {grad:.2f} s, {how}",
         ),
         "RL weight sync": (
             lambda c, w: rl_weights.workload(c, w, 16384, 1024, 64, 8),
@@ -84,12 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_cluster_arguments(p)
     p.add_argument("--only", nargs="*", help="substrings of the application names to run")
     p.add_argument("--out", default="benchmarks/results/applications")
+    p.add_argument(
+        "--sleep",
+        action="store_true",
+        help="SGD gradients sleep their single-core time instead of computing "
+        "(the emulated hosts share this machine's cores)",
+    )
     args = p.parse_args(argv)
     args.emulated = True
     rows = []
     apps = {
         name: app
-        for name, app in applications(args.workers).items()
+        for name, app in applications(args.workers, args.sleep).items()
         if not args.only or any(s in name for s in args.only)
     }
     with harness.environment(args) as new_client:  # one emulated network for all
