@@ -7,9 +7,10 @@ over the same emulated network (8 worker hosts at 1 Gbit/s by default). The
 tasks compute for real; the table states each one's compute time, measured in
 this process on one core before the runs (on this 2-core machine the 8
 emulated hosts share the cores, so compute also costs more there than on a
-real cluster). With ``--sleep`` the SGD gradients, which all 8 hosts compute
-at once, sleep their measured single-core time instead, as 8 real hosts
-would take; the table says which.
+real cluster). With ``--sleep`` the ensemble's predictions and the SGD
+gradients, which all 8 hosts compute at once, sleep their measured
+single-core time instead, as 8 real hosts would take; the table says which
+(RL's rollouts, 0.06 s, and its learner's step, on one host, still compute).
 
     python benchmarks/applications.py [--workers 8] [--rate-mbit 1000] [--sleep]
         [--only ensemble sgd ...]
@@ -47,8 +48,9 @@ def applications(
     n: int, sleep: bool = False
 ) -> dict[str, tuple[Callable[[Any, list[str]], Any], str]]:
     """name -> (workload, its compute per task measured here on one core).
-    ``sleep``: the SGD gradients are replaced by a sleep of their measured
-    single-core time (the other applications always compute)."""
+    ``sleep``: the ensemble's predictions and the SGD gradients, which all
+    hosts compute at once, are replaced by a sleep of their measured
+    single-core time (the others always compute)."""
     batch = ensemble.load_batch(0, 1365)
     model = ensemble.load_model(0)
     predict = timed(ensemble.predict, model, batch)
@@ -63,8 +65,8 @@ def applications(
     learn = timed(rl_weights.learn, policy, 1.0, *([traj] * n))
     return {
         "ensemble serving": (
-            lambda c, w: ensemble.workload(c, w, 1365, 6, 4),
-            f"predict {predict:.2f} s",
+            lambda c, w: ensemble.workload(c, w, 1365, 6, 4, predict if sleep else None),
+            f"predict {predict:.2f} s, {how}",
         ),
         "async SGD (k=6 of 8)": (
             lambda c, w: async_sgd.workload(c, w, p, 200_000, 6, 10, 0.5, stand_in),
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sleep",
         action="store_true",
-        help="SGD gradients sleep their single-core time instead of computing "
+        help="predictions and SGD gradients sleep their single-core time instead of computing "
         "(the emulated hosts share this machine's cores)",
     )
     args = p.parse_args(argv)

@@ -23,11 +23,13 @@ with a 48 MiB input per query, 3.3x faster than on Ray.)
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,6 +66,18 @@ def predict(model: dict[str, np.ndarray], batch: np.ndarray) -> np.ndarray:
     return p / p.sum(axis=1, keepdims=True)
 
 
+def predict_stand_in(seconds: float, model: dict[str, np.ndarray], batch: np.ndarray) -> np.ndarray:
+    """For the benchmark on a machine whose cores the emulated hosts share:
+    uniform class probabilities of the right shape after ``seconds`` (the
+    prediction's single-core time), the array's making included, instead of
+    the computation. The examples never use it."""
+    t0 = time.perf_counter()
+    classes = model["w2"].shape[1]
+    out = np.full((len(batch), classes), 1.0 / classes, dtype=np.float32)
+    time.sleep(max(0.0, seconds - (time.perf_counter() - t0)))
+    return out
+
+
 def combine(*probabilities: np.ndarray) -> dict[str, np.ndarray]:
     """The ensemble's answer: mean class probabilities and the label per image."""
     mean = np.mean(np.stack(probabilities), axis=0)
@@ -71,35 +85,50 @@ def combine(*probabilities: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def answer(
-    client: Client, models: list[Future], workers: list[str], query: int, n_images: int
+    client: Client,
+    models: list[Future],
+    workers: list[str],
+    query: int,
+    n_images: int,
+    predict_fn: Callable[..., np.ndarray] = predict,
 ) -> Future:
     """Submit one query: its batch on the first worker, one prediction per
     model on the model's worker, the combination."""
     batch = client.submit(load_batch, query, n_images, workers=[workers[0]], pure=False)
     preds = [
-        client.submit(predict, m, batch, workers=[w], pure=False)
+        client.submit(predict_fn, m, batch, workers=[w], pure=False)
         for m, w in zip(models, workers, strict=True)
     ]
     return client.submit(combine, *preds, workers=[workers[0]], pure=False)
 
 
 def workload(
-    client: Client, workers: list[str], n_images: int, queries: int, in_flight: int
+    client: Client,
+    workers: list[str],
+    n_images: int,
+    queries: int,
+    in_flight: int,
+    stand_in: float | None = None,
 ) -> Outcome:
+    """``stand_in``: seconds of sleep that replace each prediction's
+    computation (:func:`predict_stand_in`)."""
+    fn = predict if stand_in is None else functools.partial(predict_stand_in, stand_in)
     models = [client.submit(load_model, seed, workers=[w]) for seed, w in enumerate(workers)]
     wait(models)
-    answer(client, models, workers, -1, n_images).result()  # warm-up, not timed
+    answer(client, models, workers, -1, n_images, fn).result()  # warm-up, not timed
     latencies, answers = [], []
     for q in range(queries):
         t0 = time.perf_counter()
-        answers.append(answer(client, models, workers, q, n_images).result())
+        answers.append(answer(client, models, workers, q, n_images, fn).result())
         latencies.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    pending = as_completed([answer(client, models, workers, q, n_images) for q in range(in_flight)])
+    pending = as_completed(
+        [answer(client, models, workers, q, n_images, fn) for q in range(in_flight)]
+    )
     submitted = in_flight
     for _ in pending:
         if submitted < queries:
-            pending.add(answer(client, models, workers, submitted, n_images))
+            pending.add(answer(client, models, workers, submitted, n_images, fn))
             submitted += 1
     throughput = queries / (time.perf_counter() - t0)
     return Outcome(
