@@ -36,9 +36,9 @@ from distributed import Client, Future, as_completed, default_client
 from dask_hoplite.compat import worker_addresses
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.network_model import NetworkEstimate
-from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
+from dask_hoplite.core.planner import max_chain_length, plan_reduce_tree
 from dask_hoplite.core.reduce_ops import resolve_op
-from dask_hoplite.core.reduce_plan import PlanRequest
+from dask_hoplite.core.reduce_plan import PlanRequest, tree_spec
 from dask_hoplite.core.reduce_spec import ReduceSpec, reduce_values
 from dask_hoplite.scheduler_queries import hoplite_registered
 from dask_hoplite.worker import tasks
@@ -84,20 +84,14 @@ def _as_list(*xs: Any) -> list[Any]:
     return list(xs)
 
 
-async def _reduce_async(
-    client: Client, futures: list[Future], op: Any, k: int | None, copies: bool = False
-) -> list[Future]:
+async def _allreduce_async(client: Client, futures: list[Future], op: Any) -> list[Future]:
     """Plan and submit an allreduce once its inputs are ready: the result
     followed by one copy per other worker holding an input, streamed while
     the reduction runs."""
     rop = resolve_op(op)
-    n = len(futures)
-    if n == 0:
+    if not futures:
         raise ValueError("reduce needs at least one input")
-    k = n if k is None else k
-    if not isinstance(k, int) or not 1 <= k <= n:
-        raise ValueError(f"k must be an int in [1, {n}] (the number of inputs), got {k!r}")
-    chosen = await _first_ready(futures, k)
+    chosen = await _in_order_ready(futures)
     keys = [f.key for f in chosen]
     who_has, nbytes, net = await _locate(client, keys)
     addresses = []
@@ -110,35 +104,30 @@ async def _reduce_async(
     cfg = HopliteConfig.from_dask_config()
     if net is None:
         # dask-hoplite is not registered: Dask's way, one task on the first
-        # input's worker (and a copy of its result on every other worker).
+        # input's worker and a copy of its result on every other worker.
         result = _reduce_small(client, chosen, keys, rop.name, addresses)
-        return result + (_copies(client, result[0], addresses) if copies else [])
+        return result + _copies(client, result[0], addresses)
     if size < cfg.min_bytes:
         # Small objects: a tree costs more round trips than it saves bytes;
-        # one task on the first input's worker, as Dask would do it (one on
-        # every worker for allreduce).
-        if copies:
-            return _allreduce_small(client, chosen, keys, rop.name, addresses)
-        return _reduce_small(client, chosen, keys, rop.name, addresses)
+        # one task on the first input's worker, as Dask would do it.
+        return _allreduce_small(client, chosen, keys, rop.name, addresses)
     distinct = list(dict.fromkeys(addresses))
-    if copies and len(distinct) >= 3 and size // len(distinct) >= cfg.segment_min_bytes:
+    if len(distinct) >= 3 and size // len(distinct) >= cfg.segment_min_bytes:
         return _allreduce_segmented(client, chosen, addresses, distinct, rop.name, net, size, cfg)
-    return _reduce_tree(client, chosen, addresses, rop.name, net, size, cfg, copies)
+    return _reduce_tree(client, chosen, addresses, rop.name, net, size, cfg)
 
 
-async def _first_ready(futures: list[Future], k: int) -> list[Future]:
-    """The first ``k`` of ``futures`` to be ready (an input that failed is
+async def _in_order_ready(futures: list[Future]) -> list[Future]:
+    """``futures`` in the order they become ready (an input that failed is
     reported as soon as it does)."""
-    chosen: list[Future] = []
+    ready: list[Future] = []
     async for f in as_completed(futures):
         if f.status == "error":
             raise RuntimeError(f"input {f.key!r} of the reduction failed") from (
                 await f.exception()
             )
-        chosen.append(f)
-        if len(chosen) == k:
-            break
-    return chosen
+        ready.append(f)
+    return ready
 
 
 def _reduce_tree(
@@ -149,42 +138,27 @@ def _reduce_tree(
     net: NetworkEstimate,
     size: int,
     cfg: HopliteConfig,
-    copies: bool,
 ) -> list[Future]:
     """Submit one reduce tree over ``chosen`` (held by ``addresses``): the
-    root's task, and with ``copies`` one allreduce copy per other worker."""
-    plan = plan_reduce_tree(len(chosen), max_chain_length(size, net.bandwidth, net.latency))
-    # Inputs of one worker next to each other in the tree (their combination
-    # then crosses no NIC); the input at the root's position stays there.
-    order = colocated_order(plan.parent, addresses, plan.root)
-    chosen = [chosen[i] for i in order]
+    root's task, then one allreduce copy per other worker."""
     keys = [f.key for f in chosen]
-    addresses = [addresses[i] for i in order]
-    spec = ReduceSpec(
-        rid=uuid.uuid4().hex,
-        op=op,
-        inputs=tuple(keys),
-        addresses=tuple(addresses),
-        parent=plan.parent,
-        shape=(),
-        dtype="",
-        block_bytes=cfg.block_bytes,
-    )
-    root = plan.root
-    if copies:
-        spec = dataclasses.replace(spec, copies=tuple(sorted(set(addresses) - {addresses[root]})))
+    spec = tree_spec(uuid.uuid4().hex, op, keys, addresses, net, size, cfg.block_bytes)
+    root = spec.root
+    root_address = spec.addresses[root]
+    spec = dataclasses.replace(spec, copies=tuple(sorted(set(spec.addresses) - {root_address})))
+    future_of = dict(zip(keys, chosen, strict=True))
     result = client.submit(
         tasks.reduce_root,
-        chosen[root],
+        future_of[spec.inputs[root]],
         spec.to_msg(),
         key=f"hoplite-reduce-{op}-{spec.rid}",
-        workers=[addresses[root]],
+        workers=[root_address],
         # the root survives the death of its worker: Dask runs it elsewhere
         # and it locates the inputs again (an allreduce root reduces anew)
         allow_other_workers=True,
         pure=False,
     )
-    setattr(result, _INPUTS_ATTR, keys)
+    setattr(result, _INPUTS_ATTR, list(spec.inputs))
     # Keep the inputs alive until the reduction is done (only the root's input
     # is a Dask dependency of the result; the others stream from their holders).
     _keep_until_done(chosen, [result])
@@ -485,10 +459,6 @@ def allgather(inputs: Sequence[Any]) -> list[Future]:
     """The list of ``inputs`` on every worker that holds one of them."""
     client = _client(inputs)
     return client.sync(_allgather_async, client, _as_futures(client, inputs))
-
-
-async def _allreduce_async(client: Client, futures: list[Future], op: Any) -> list[Future]:
-    return await _reduce_async(client, futures, op, None, copies=True)
 
 
 def allreduce(inputs: Sequence[Any], op: Any = "sum") -> list[Future]:

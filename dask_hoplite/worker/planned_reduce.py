@@ -21,16 +21,14 @@ it; Dask's own :class:`~distributed.KilledWorker` is raised as it is.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 from dask.typing import Key
-from distributed import KilledWorker, Reschedule
-from distributed.comm.core import CommClosedError
+from distributed import KilledWorker
 from distributed.protocol import pickle
 from distributed.protocol.serialize import Serialized, deserialize
-from distributed.worker import Worker, get_data_from_worker
+from distributed.worker import Worker
 
 from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.reduce_plan import PlanRequest, plan_reduction
@@ -38,6 +36,7 @@ from dask_hoplite.core.reduce_spec import reduce_values
 from dask_hoplite.errors import ReduceInputLost
 from dask_hoplite.scheduler_queries import METADATA_KEY
 from dask_hoplite.worker.context import PLUGIN_NAME
+from dask_hoplite.worker.receiver import get_data_or_reschedule
 
 logger = logging.getLogger(__name__)
 
@@ -170,12 +169,5 @@ async def fetch_values(w: Worker, part: Any, keys: list[Key]) -> list[Any]:
         return list(await part.receiver.fetch_parts(list(keys), who_has))
     out = {key: w.data[key] for key in keys if key in w.data}
     for key in missing:
-        for holder in who_has.get(key) or ():
-            with contextlib.suppress(OSError, CommClosedError, asyncio.TimeoutError):
-                resp = await get_data_from_worker(w.rpc, [key], holder, who=w.address)
-                if resp["status"] == "OK" and key in resp["data"]:
-                    out[key] = resp["data"][key]
-                    break
-        else:
-            raise Reschedule()
+        out[key] = await get_data_or_reschedule(w, key, who_has.get(key) or ())
     return [out[key] for key in keys]

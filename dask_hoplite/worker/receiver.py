@@ -23,13 +23,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any
 
 from dask.typing import Key
 from distributed import Reschedule
 from distributed.comm.core import CommClosedError
-from distributed.worker import WORKER_ANY_RUNNING, get_data_from_worker
+from distributed.worker import WORKER_ANY_RUNNING, Worker, get_data_from_worker
 from distributed.worker_state_machine import GatherDepSuccessEvent, StateMachineEvent
 
 from dask_hoplite.core.protocol import PROTOCOL_VERSION, StreamRequest
@@ -234,18 +234,21 @@ class Receiver:
             ok, value = await self.fetch(key)
             if key not in w.state.tasks and key in self.ctx.store:
                 self.drop_untracked(key)
-            if ok:
-                out[key] = value
-                continue
-            for holder in who_has[key]:
-                with contextlib.suppress(OSError, CommClosedError, asyncio.TimeoutError):
-                    resp = await get_data_from_worker(w.rpc, [key], holder, who=w.address)
-                    if resp["status"] == "OK" and key in resp["data"]:
-                        out[key] = resp["data"][key]
-                        break
-            else:
-                raise Reschedule()
+            out[key] = value if ok else await get_data_or_reschedule(w, key, who_has[key])
         return [out[k] for k in keys]
+
+
+async def get_data_or_reschedule(w: Worker, key: Key, holders: Iterable[str]) -> Any:
+    """The value of ``key`` from the first of ``holders`` that gives it, by
+    Dask's own ``get_data``. Raises :class:`distributed.Reschedule` when none
+    does: the scheduler recomputes the key from its lineage and runs the
+    calling task again."""
+    for holder in holders:
+        with contextlib.suppress(OSError, CommClosedError, asyncio.TimeoutError):
+            resp = await get_data_from_worker(w.rpc, [key], holder, who=w.address)
+            if resp["status"] == "OK" and key in resp["data"]:
+                return resp["data"][key]
+    raise Reschedule()
 
 
 GatherDep = Callable[..., Awaitable[StateMachineEvent]]
