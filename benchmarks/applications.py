@@ -7,10 +7,11 @@ over the same emulated network (8 worker hosts at 1 Gbit/s by default). The
 tasks compute for real; the table states each one's compute time, measured in
 this process on one core before the runs (on this 2-core machine the 8
 emulated hosts share the cores, so compute also costs more there than on a
-real cluster). With ``--sleep`` the ensemble's predictions and the SGD
-gradients, which all 8 hosts compute at once, sleep their measured
-single-core time instead, as 8 real hosts would take; the table says which
-(RL's rollouts, 0.06 s, and its learner's step, on one host, still compute).
+real cluster). With ``--sleep`` the ensemble's predictions, the SGD
+gradients and RL's rollouts, which all 8 hosts compute at once, sleep their
+measured single-core time instead, as 8 real hosts would take; the table says
+which (RL's learner step, on one host, still computes, as do the array and
+bag pipelines).
 
     python benchmarks/applications.py [--workers 8] [--rate-mbit 1000] [--sleep]
         [--only ensemble sgd ...]
@@ -53,15 +54,15 @@ def applications(
     n: int, sleep: bool = False
 ) -> dict[str, tuple[Callable[[Any, list[str]], Any], str]]:
     """name -> (workload, its compute per task measured here on one core).
-    ``sleep``: the ensemble's predictions and the SGD gradients, which all
-    hosts compute at once, are replaced by a sleep of their measured
-    single-core time (the others always compute)."""
+    ``sleep``: the ensemble's predictions, the SGD gradients and RL's
+    rollouts, which all hosts compute at once, are replaced by a sleep of
+    their measured single-core time (the others always compute)."""
     batch = ensemble.load_batch(0, 1365)
     model = ensemble.load_model(0)
     predict = timed(ensemble.predict, model, batch)
     p = 32 * 2**20
     shard = async_sgd.make_shard(0, 200_000, p)
-    grad = timed(async_sgd.gradient, async_sgd.zeros(p), shard)
+    grad = timed(async_sgd.scaled_gradient, async_sgd.zeros(p), shard, 1e-3)
     stand_in = grad if sleep else None
     how = "slept" if sleep else "computed"
     policy = rl_weights.init_policy(16384, 1024)
@@ -82,8 +83,8 @@ def applications(
             f"gradient {grad:.2f} s, {how}",
         ),
         "RL weight sync": (
-            lambda c, w: rl_weights.workload(c, w, 16384, 1024, 64, 8),
-            f"rollout {roll:.2f} s, learn {learn:.2f} s",
+            lambda c, w: rl_weights.workload(c, w, 16384, 1024, 64, 8, roll if sleep else None),
+            f"rollout {roll:.2f} s, {how}; learn {learn:.2f} s, computed",
         ),
         "dask.array x @ W, y.T @ y": (
             lambda c, w: array_pipeline.workload(c, w, 4096, 512),
@@ -103,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sleep",
         action="store_true",
-        help="predictions and SGD gradients sleep their single-core time instead of computing "
-        "(the emulated hosts share this machine's cores)",
+        help="predictions, SGD gradients and rollouts sleep their single-core time instead of "
+        "computing (the emulated hosts share this machine's cores)",
     )
     args = p.parse_args(argv)
     args.emulated = True

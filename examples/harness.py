@@ -42,6 +42,17 @@ class Outcome:
 Workload = Callable[[Client, list[str]], Outcome]
 
 
+def loop_metrics(rate: str, first: str, seconds: list[float]) -> dict[str, tuple[float, bool]]:
+    """The metrics of a loop whose rounds took ``seconds``: ``rate``, rounds
+    per second after the first (the steady state), and ``first``, the first
+    round's seconds on its own: it also pays for the cluster's first transfers
+    between these workers (fresh connections, receiving memory faulted in for
+    the first time). With a single round, its rate."""
+    if len(seconds) < 2:
+        return {rate: (len(seconds) / sum(seconds), True)}
+    return {rate: ((len(seconds) - 1) / sum(seconds[1:]), True), first: (seconds[0], False)}
+
+
 def add_cluster_arguments(p: argparse.ArgumentParser, workers: int = 8) -> None:
     p.add_argument("--workers", type=int, default=workers, help="worker hosts (processes)")
     p.add_argument(

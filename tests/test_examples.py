@@ -85,6 +85,29 @@ def test_rl_learner_policy_is_numpys(cluster_client):
     assert np.abs(expected).sum() > 0  # it did learn something
 
 
+def _shapes(x):
+    if isinstance(x, dict):
+        return {k: _shapes(v) for k, v in x.items()}
+    return (x.shape, x.dtype)
+
+
+def test_the_benchmarks_stand_ins_return_what_the_computations_return():
+    """benchmarks/applications.py --sleep replaces these computations by a
+    sleep: what the next task receives must keep its shapes and types."""
+    model, batch = ensemble_serving.load_model(0), ensemble_serving.load_batch(0, 2)
+    assert _shapes(ensemble_serving.predict_stand_in(0.01, model, batch)) == _shapes(
+        ensemble_serving.predict(model, batch)
+    )
+    w, shard = async_sgd.zeros(1_000), async_sgd.make_shard(0, 100, 1_000)
+    assert _shapes(async_sgd.scaled_gradient_stand_in(0.01, w, shard, 0.1)) == _shapes(
+        async_sgd.scaled_gradient(w, shard, 0.1)
+    )
+    policy = rl_weights.init_policy(64, 8)
+    assert _shapes(rl_weights.rollout_stand_in(0.01, policy, 0, 0, 16)) == _shapes(
+        rl_weights.rollout(policy, 0, 0, 16)
+    )
+
+
 @pytest.mark.parametrize(
     "script, args",
     [
