@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -44,10 +45,15 @@ import harness  # noqa: E402
 import rl_weights  # noqa: E402
 
 
-def timed(fn: Callable[..., Any], *args: Any) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
+def timed(fn: Callable[..., Any], *args: Any, runs: int = 3) -> float:
+    """The median of ``runs`` calls' seconds (one call alone is noisy: the
+    first also faults in fresh memory)."""
+    seconds = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn(*args)
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds)
 
 
 def applications(
