@@ -56,6 +56,21 @@ def timed(fn: Callable[..., Any], *args: Any, runs: int = 3) -> float:
     return statistics.median(seconds)
 
 
+def cpu_times() -> list[int]:
+    """This machine's CPU time counters (``/proc/stat``, all CPUs): user,
+    nice, system, idle, iowait, irq, softirq, steal, in clock ticks."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:9]]
+
+
+def steal_share(before: list[int], after: list[int]) -> float:
+    """The share of CPU time the hypervisor took away (steal) between two
+    :func:`cpu_times`: on a virtual machine whose host is busy, every figure
+    of the run is slower than the machine itself would make it."""
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    return delta[7] / max(1, sum(delta))
+
+
 def applications(
     n: int, sleep: bool = False
 ) -> dict[str, tuple[Callable[[Any, list[str]], Any], str]]:
@@ -124,19 +139,32 @@ def main(argv: list[str] | None = None) -> int:
     with harness.environment(args) as new_client:  # one emulated network for all
         for name, (workload, compute) in apps.items():
             print(f"# {name} ({harness.describe(args)})", flush=True)
+            before = cpu_times()
             outcomes = harness.compare(args, workload, new_client)
+            steal = steal_share(before, cpu_times())
             for metric, (value, higher) in outcomes["dask"].metrics.items():
                 ours = outcomes["hoplite"].metrics[metric][0]
                 gain = ours / value if higher else value / ours
-                rows.append([name, metric, value, ours, gain, compute])
+                rows.append([name, metric, value, ours, gain, compute, steal])
                 print(
-                    f"#   {metric}: Dask {value:.3f}, hoplite {ours:.3f}, {gain:.2f}x", flush=True
+                    f"#   {metric}: Dask {value:.3f}, hoplite {ours:.3f}, {gain:.2f}x, "
+                    f"CPU steal {steal:.0%}",
+                    flush=True,
                 )
     print()
-    header = f"{'application':<28}{'metric':<30}{'Dask':>9}{'hoplite':>9}{'gain':>7}  compute/task"
+    header = (
+        f"{'application':<28}{'metric':<30}{'Dask':>9}{'hoplite':>9}{'gain':>7}{'steal':>7}"
+        "  compute/task"
+    )
     print(header + "\n" + "-" * len(header))
-    for name, metric, value, ours, gain, compute in rows:
-        print(f"{name:<28}{metric:<30}{value:>9.3f}{ours:>9.3f}{gain:>6.2f}x  {compute}")
+    for name, metric, value, ours, gain, compute, steal in rows:
+        print(
+            f"{name:<28}{metric:<30}{value:>9.3f}{ours:>9.3f}{gain:>6.2f}x{steal:>7.0%}  {compute}"
+        )
+    print(
+        "steal: the share of this machine's CPU time its hypervisor took while the application "
+        "ran (both modes); figures from a run with much of it are slower than the machine's own"
+    )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(rows, f, indent=1)

@@ -136,3 +136,16 @@ def test_example_runs_as_a_script_on_a_local_cluster(script, args, tmp_path):
     assert "dask-hoplite" in r.stdout and "gain" in r.stdout
     if script == "async_sgd.py":
         assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_the_benchmark_reports_the_cpu_time_its_hypervisor_took():
+    """benchmarks/applications.py prints the steal share of each application's
+    runs (a busy virtual-machine host slows every figure of a run)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.applications import cpu_times, steal_share
+
+    before = cpu_times()
+    assert len(before) == 8 and all(t >= 0 for t in before)
+    assert 0.0 <= steal_share(before, cpu_times()) <= 1.0
+    # user 10, idle 10, steal 20 ticks: half the time was taken away
+    assert steal_share([0] * 8, [10, 0, 0, 10, 0, 0, 0, 20]) == 0.5
