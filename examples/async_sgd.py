@@ -118,7 +118,7 @@ def zeros(params: int) -> np.ndarray:
     return np.zeros(params, dtype=np.float32)
 
 
-def train(
+def workload(
     client: Client,
     workers: list[str],
     params: int,
@@ -127,10 +127,11 @@ def train(
     steps: int,
     rate: float,
     stand_in: float | None = None,
-) -> tuple[np.ndarray, list[float], list[list[int]], list[float]]:
-    """Train; returns the weights, the loss after each step, which shards each
-    step used, and the seconds each step took. ``stand_in``: seconds of sleep
-    that replace each gradient's computation (:func:`scaled_gradient_stand_in`)."""
+) -> Outcome:
+    """Train; the result is the weights, the loss after each step and which
+    shards each step used, the metrics the steps' rate
+    (:func:`harness.loop_metrics`). ``stand_in``: seconds of sleep that replace
+    each gradient's computation (:func:`scaled_gradient_stand_in`)."""
     grad = (
         scaled_gradient
         if stand_in is None
@@ -167,22 +168,8 @@ def train(
                 )
             )
         )
-    return w_fut.result(), losses, used, seconds
-
-
-def workload(
-    client: Client,
-    workers: list[str],
-    params: int,
-    samples: int,
-    k: int,
-    steps: int,
-    rate: float,
-    stand_in: float | None = None,
-) -> Outcome:
-    w, losses, used, seconds = train(client, workers, params, samples, k, steps, rate, stand_in)
     return Outcome(
-        {"weights": w, "losses": losses, "used": used},
+        {"weights": w_fut.result(), "losses": losses, "used": used},
         loop_metrics(f"updates/s (k={k} of {len(workers)})", "first step, s", seconds),
     )
 

@@ -107,7 +107,7 @@ def mean_reward(*trajectories: dict[str, np.ndarray]) -> float:
     return float(np.mean([t["rewards"].mean() for t in trajectories]))
 
 
-def train(
+def workload(
     client: Client,
     workers: list[str],
     obs: int,
@@ -115,10 +115,11 @@ def train(
     steps: int,
     iterations: int,
     stand_in: float | None = None,
-) -> tuple[np.ndarray, list[float], list[float]]:
-    """Train; returns the policy, the mean reward of each iteration and the
-    seconds each iteration took. ``stand_in``: seconds of sleep that replace
-    each rollout's interactions (:func:`rollout_stand_in`)."""
+) -> Outcome:
+    """Train; the result is the policy and the mean reward of each iteration,
+    the metrics the iterations' rate (:func:`harness.loop_metrics`).
+    ``stand_in``: seconds of sleep that replace each rollout's interactions
+    (:func:`rollout_stand_in`)."""
     act = rollout if stand_in is None else functools.partial(rollout_stand_in, stand_in)
     learner = workers[0]
     policy = client.submit(init_policy, obs, actions, workers=[learner])
@@ -134,21 +135,8 @@ def train(
         wait(policy)
         seconds.append(time.perf_counter() - t0)
         rewards.append(client.submit(mean_reward, *trajectories, workers=[learner]).result())
-    return policy.result(), rewards, seconds
-
-
-def workload(
-    client: Client,
-    workers: list[str],
-    obs: int,
-    actions: int,
-    steps: int,
-    iterations: int,
-    stand_in: float | None = None,
-) -> Outcome:
-    policy, rewards, seconds = train(client, workers, obs, actions, steps, iterations, stand_in)
     return Outcome(
-        {"policy": policy, "rewards": rewards},
+        {"policy": policy.result(), "rewards": rewards},
         loop_metrics(f"iterations/s ({len(workers)} actors)", "first iteration, s", seconds),
     )
 
