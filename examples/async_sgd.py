@@ -143,11 +143,11 @@ def workload(
     ]
     w_fut = client.submit(zeros, params, workers=[server])
     wait([*shards, w_fut])
+    size = step_size(rate, k, samples, params)  # the same k every step
     losses, used, seconds = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         published = client.submit(publish, w_fut, workers=[server], pure=False)
-        size = step_size(rate, k, samples, params)
         grads = [
             client.submit(grad, published, s, size, workers=[a], pure=False)
             for s, a in zip(shards, workers, strict=True)
