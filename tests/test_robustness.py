@@ -126,3 +126,21 @@ async def test_untested_distributed_is_refused_by_the_worker_part_too(c, s, a):
     finally:
         dask_hoplite.compat.installed_distributed_version = orig
     assert "gather_dep" not in a.__dict__ and STREAM_OP not in a.handlers
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)] * 2,
+    config={**SMALL, "hoplite.directory.queue-timeout": "10ms"},
+    timeout=60,
+)
+async def test_a_fetch_that_waits_too_long_for_a_sender_is_done_by_dask(c, s, a, b):
+    """Every holder busy past ``hoplite.directory.queue-timeout``: Dask's own
+    path fetches the key from its holder (it once took the key for lost on
+    that holder and asked again, for ever)."""
+    await c.register_plugin(Hoplite())
+    x = c.submit(np.arange, 100_000, workers=[a.address], key="x")
+    await x
+    s.plugins["hoplite"].directory.fanout = 0  # no holder ever has an upload slot
+    assert await c.submit(checksum, x, workers=[b.address]) == float(np.arange(100_000).sum())
+    assert b.plugins["hoplite-worker"].stats.get("keys-received", 0) == 0  # not through hoplite

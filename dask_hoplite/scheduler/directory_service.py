@@ -98,7 +98,15 @@ class DirectoryService:
         if isinstance(decision, Queued):
             decision = await self._wait_in_queue(key, receiver)
             if decision is None:
-                return {"status": "missing", "gone": not self._in_memory(key)}
+                # No sender freed up in time: Dask's own path fetches it from
+                # a holder (the receiver must know they still hold it, or it
+                # would take the key for lost there and ask again).
+                ts = self._task(key)
+                return {
+                    "status": "missing",
+                    "gone": not self._in_memory(key),
+                    "holders": [ws.address for ws in (ts.who_has or ())] if ts else [],
+                }
         assert decision is not None
         logger.debug("%s asks for %r (excluding %s): %s", receiver, key, exclude, decision)
         msg = _decision_msg(decision, nbytes)
