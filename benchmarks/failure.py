@@ -129,6 +129,7 @@ if method == "hoplite":
     out["tree_repairs"] = sum(s.get("reduce-repairs", 0) for s in stats.values())
     out["tree_restarts"] = sum(s.get("reduce-restarts", 0) for s in stats.values())
     out["adopted"] = sum(s.get("partial-copies-adopted", 0) for s in stats.values())
+    out["events"] = sorted({e["action"] for _, e in c.get_events("hoplite")})
 print(json.dumps(out), flush=True)
 """
 
@@ -152,6 +153,7 @@ class Outcome:
     tree_repairs: int = 0  # reduce-tree nodes replaced where they died (tree kept)
     tree_restarts: int = 0  # reduce trees restarted from scratch
     adopted: int = 0  # partial copies completed by a recomputation on their worker
+    events: tuple[str, ...] = ()  # the actions of client.get_events("hoplite")
 
     @property
     def x_bound(self) -> float:
@@ -243,6 +245,7 @@ def run_one(
         int(out.get("tree_repairs", 0)),
         int(out.get("tree_restarts", 0)),
         int(out.get("adopted", 0)),
+        tuple(out.get("events", ())),
     )
 
 

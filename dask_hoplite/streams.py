@@ -145,11 +145,14 @@ async def send_stream(
     *,
     window_bytes: int,
     stall_timeout: float,
+    sent: list[int] | None = None,
 ) -> int:
     """Serve ``buf`` from ``req.offset`` on ``comm`` as its progress grows.
 
-    Returns the number of payload bytes sent.
+    Returns the number of payload bytes sent; ``sent[0]``, if given, holds
+    them as the stream goes (what a stream that broke had sent).
     """
+    sent = [0] if sent is None else sent
     assert buf.layout is not None
     layout = buf.layout
     total = layout.nbytes
@@ -164,6 +167,7 @@ async def send_stream(
             end = min(buf.progress, layout.frame_end(pos), pos + RAW_WRITE_BYTES)
             await _bounded(stream.write(buf.view(pos, end)), stall_timeout, "write", peer)
             pos = end
+            sent[0] = pos - req.offset
         return total - req.offset
 
     window = SendWindow(req.offset, window_bytes)
@@ -176,6 +180,7 @@ async def send_stream(
         await comm.write({"offset": pos, "data": to_serialize(buf.view(pos, end))})
         window.on_sent(end)
         pos = end
+        sent[0] = pos - req.offset
     while window.acked < total:
         window.on_ack(parse_ack(await _bounded(comm.read(), stall_timeout, "ack", peer)))
     return total - req.offset

@@ -35,6 +35,7 @@ def test_receivers_below_a_dead_relay_resume_from_the_byte_they_reached(ec):
     assert o.resumes >= 1 and o.restarts == 0, o
     # resumed, not restarted: the receivers kept the bytes they had
     assert o.bytes_resumed > 0, o
+    assert "resumes" in o.events, o  # client.get_events("hoplite") tells the story
 
 
 @pytest.mark.timeout(300)
@@ -56,6 +57,7 @@ def test_a_reduction_survives_a_dead_participant(ec):
     assert o.ok, o
     # the dead node was replaced inside the running tree, which was not restarted
     assert o.tree_repairs == 1 and o.tree_restarts == 0, o
+    assert {"reduce-children-replaced", "reduce-repaired"} <= set(o.events), o
 
 
 @pytest.mark.timeout(300)

@@ -5,7 +5,7 @@ flow-control window. Pure: the coroutines that move these messages over
 A stream, on one comm, after the receiver's request::
 
     receiver -> sender   {"op": "hoplite_stream", "key", "offset", "protocol",
-                          "transfer_id", "block_bytes", "raw", "reply": False}
+                          "transfer_id", "block_bytes", "raw", "who", "reply": False}
     sender   -> receiver {"status": "OK", "header", "lengths", "raw"}  (the Layout)
                        | {"status": "error", "message"}                (then nothing)
 
@@ -48,6 +48,9 @@ class StreamRequest:
     block_bytes: int
     transfer_id: int | None
     raw: bool = False
+    #: The receiving worker's address, for the sender's transfer log (None:
+    #: the receiver is not a worker, or did not say).
+    who: str | None = None
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> StreamRequest:
@@ -69,7 +72,10 @@ class StreamRequest:
         tid = msg.get("transfer_id")
         if tid is not None and not isinstance(tid, int):
             raise ProtocolError(f"transfer_id must be an int or None, got {tid!r}")
-        return cls(msg["key"], offset, block, tid, bool(msg.get("raw", False)))
+        who = msg.get("who")
+        if who is not None and not isinstance(who, str):
+            raise ProtocolError(f"who must be an address or None, got {who!r}")
+        return cls(msg["key"], offset, block, tid, bool(msg.get("raw", False)), who)
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -80,6 +86,7 @@ class StreamRequest:
             "transfer_id": self.transfer_id,
             "protocol": PROTOCOL_VERSION,
             "raw": self.raw,
+            "who": self.who,
             "reply": False,
         }
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,12 @@ class DirectoryService:
         self.config = config
         self._task = task
         self.waiting: Waiting = {} if waiting is None else waiting
+        #: Answers to requests, by status ("assign", "missing", "small", "error").
+        self.answers: Counter[str] = Counter()
+        #: Finished transfers, by outcome ("ok", "failed").
+        self.transfers_finished: Counter[str] = Counter()
+        #: Bytes of the transfers that finished ok.
+        self.bytes_streamed = 0
 
     # ---------------------------------------------------------- worker handlers
 
@@ -80,6 +87,13 @@ class DirectoryService:
     ) -> dict[str, Any]:
         """RPC ``hoplite_request``: a worker needs ``key`` (or needs another
         sender than those in ``exclude`` to resume from); whom to stream from."""
+        answer = await self._answer(key, receiver, protocol, exclude)
+        self.answers[answer["status"]] += 1
+        return answer
+
+    async def _answer(
+        self, key: Key, receiver: str, protocol: int | None, exclude: list[str] | None
+    ) -> dict[str, Any]:
         if protocol != PROTOCOL_VERSION:
             return {
                 "status": "error",
@@ -144,7 +158,9 @@ class DirectoryService:
         """Stream ``hoplite-finished``: a receiver's transfer ended (with its
         size and duration, and the receiver's latency, for the network model)."""
         self._act(self.directory.transfer_finished(transfer_id, bool(ok)))
+        self.transfers_finished["ok" if ok else "failed"] += 1
         if ok:
+            self.bytes_streamed += int(nbytes)
             self.network.observe_transfer(int(nbytes), float(seconds))
             self.network.observe_latency(float(latency))
 

@@ -18,15 +18,20 @@ from dask.typing import Key
 from distributed import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from dask_hoplite import logs
 from dask_hoplite._version import __version__
 from dask_hoplite.compat import check_distributed_version, check_internals
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.directory import ObjectDirectory
 from dask_hoplite.core.network_model import NetworkModel
+from dask_hoplite.dashboard.live import live_state
+from dask_hoplite.dashboard.page import DashboardRoutes
 from dask_hoplite.scheduler.amm import StreamDropGuard
+from dask_hoplite.scheduler.collective_log import CollectiveLog
 from dask_hoplite.scheduler.directory_service import DirectoryService
 from dask_hoplite.scheduler.first_ready import FirstReady
 from dask_hoplite.scheduler.graph_rewrite import GraphRewrite
+from dask_hoplite.scheduler.metrics import SCHEDULER_SERIES, SchedulerSource
 from dask_hoplite.scheduler.patching import Override
 from dask_hoplite.scheduler.queries import SchedulerQueries
 from dask_hoplite.scheduler.replicate import ReplicateOverride
@@ -69,6 +74,8 @@ class Hoplite(SchedulerPlugin):
         self.service: DirectoryService | None = None
         self.replicator: ReplicateOverride | None = None
         self.first_ready: FirstReady | None = None
+        self.collectives: CollectiveLog | None = None
+        self.series: SchedulerSource | None = None
         self.overrides: list[Override] = []
         #: The one handler table: RPC / stream-message name -> handler.
         self.handler_table: dict[str, Callable[..., Any]] = {}
@@ -82,6 +89,7 @@ class Hoplite(SchedulerPlugin):
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self, scheduler: Scheduler) -> None:
+        logs.show_warnings()
         check_distributed_version()
         check_internals([scheduler])
         config = self.config = HopliteConfig.from_dask_config()
@@ -106,6 +114,9 @@ class Hoplite(SchedulerPlugin):
         model, parked requests and replicate pins of ``previous`` if given."""
         if previous is not None:
             self.directory, self.network = previous.directory, previous.network
+            self.collectives = previous.collectives
+        if self.collectives is None:
+            self.collectives = CollectiveLog()
         if self.directory is None:  # (not `or`: an empty directory is falsy)
             self.directory = ObjectDirectory(fanout=config.fanout)
         if self.network is None:
@@ -117,10 +128,13 @@ class Hoplite(SchedulerPlugin):
         waiting = previous.service.waiting if previous and previous.service else None
         pins = previous.replicator.pins if previous and previous.replicator else None
         self.service = service = DirectoryService(directory, network, config, s.tasks.get, waiting)
+        self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)
         self.first_ready = first_ready = FirstReady(s.tasks.get, network)
         self.replicator = ReplicateOverride(config, pins)
-        self.overrides = [self.replicator]
+        collectives = self.collectives
+        page = DashboardRoutes(lambda: live_state(s, service, collectives, network))
+        self.overrides = [self.replicator, page]
         if config.array_reductions or config.bag_reductions:
             self.overrides.append(GraphRewrite(config))
         if config.protect_streams:
@@ -130,6 +144,7 @@ class Hoplite(SchedulerPlugin):
             "hoplite_info": service.info,
             "hoplite-finished": service.finished,
             "hoplite-released": service.released,
+            "hoplite-collective": self.collectives.finished,
             "hoplite_network": queries.network_estimate,
             "hoplite_locate": queries.locate,
             "hoplite_key_states": queries.key_states,
@@ -144,11 +159,15 @@ class Hoplite(SchedulerPlugin):
             override.install(s)
         # Clients ask this (a standard RPC) before calling hoplite's own.
         s.set_metadata(keys=[METADATA_KEY], value=__version__)
+        if self.series is not None:
+            SCHEDULER_SERIES.add(self.series)
 
     def _uninstall(self) -> None:
         s, self.scheduler = self.scheduler, None
         if s is None:
             return
+        if self.series is not None:
+            SCHEDULER_SERIES.remove(self.series)
         for name, handler in self.handler_table.items():
             registry = _registry(s, name)
             if registry.get(name) is handler:

@@ -107,7 +107,7 @@ class AggregateTakeover:
             logger.warning(
                 "%r: reduce tree failed (%s: %s); fetching the inputs", fn, type(e).__name__, e
             )
-        self.ctx.count("graph-reduction-fallbacks")
+        self.ctx.event("graph-reduction-fallbacks", function=repr(fn))
         values = run_on_loop(w, self.fetch_parts, keys, who_has, seceded=True)
         return fn(*values)
 

@@ -26,6 +26,8 @@ from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
+from distributed.metrics import context_meter
+from distributed.metrics import time as dask_time
 
 from dask_hoplite.core.protocol import StreamRequest
 from dask_hoplite.core.reduce_ops import resolve_op
@@ -33,6 +35,7 @@ from dask_hoplite.core.reduce_spec import ReduceSpec
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.errors import ReduceInputError
 from dask_hoplite.streams import pooled_comm, raw_stream, receive_stream
+from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import FetchParts, WorkerContext, cancel_quietly
 from dask_hoplite.worker.reduce_root import ReduceRoots
 from dask_hoplite.worker.reductions import RunningReductions
@@ -164,7 +167,7 @@ class Allreduce:
         inputs, as a plain (restartable) reduce tree rooted here with input
         ``slot`` (``value``: this worker's copy of it, or None to find one)."""
         w = self.ctx.worker
-        self.ctx.count("allreduce-fallbacks")
+        self.ctx.event("allreduce-fallbacks", rid=spec.rid)
         n = len(spec.inputs)
         if value is None:
             local = [i for i, k in enumerate(spec.inputs) if k in w.data]
@@ -226,10 +229,17 @@ class Allreduce:
         stall = self.ctx.config.stall_timeout
         hold = j + 1 < len(spec.copies)
         async with self.reductions.held_until_sent(spec.copy_key(j), hold=hold):
-            async with pooled_comm(self.ctx.worker.rpc, src_addr, stall) as comm:
-                raw = raw_stream(comm) is not None
-                req = StreamRequest(src_key, 0, spec.block_bytes, None, raw=raw)
-                await receive_stream(comm, buf, req, stall_timeout=stall)
+            w, start = self.ctx.worker, dask_time()
+            with (
+                self.ctx.receiving(src_key, src_addr, buf, "object"),
+                context_meter.meter("network", func=dask_time),
+            ):
+                async with pooled_comm(w.rpc, src_addr, stall) as comm:
+                    raw = raw_stream(comm) is not None
+                    req = StreamRequest(src_key, 0, spec.block_bytes, None, raw=raw, who=w.address)
+                    n = await receive_stream(comm, buf, req, stall_timeout=stall)
+            accounting.received(w, src_key, src_addr, start, dask_time(), n)
+            self.ctx.count("bytes-received", n)
             result = await self.ctx.deserialize(buf)
         resolve_op(spec.op).finish(result, len(spec.inputs))
         return result

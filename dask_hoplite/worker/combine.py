@@ -17,11 +17,14 @@ while it fills.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
+from distributed.metrics import context_meter
+from distributed.metrics import time as dask_time
 from tornado.iostream import IOStream
 
 from dask_hoplite.core.protocol import StreamRequest
@@ -39,6 +42,7 @@ from dask_hoplite.streams import (
     receive_stream,
     wait_progress,
 )
+from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -95,7 +99,9 @@ class _RawChildren:
         stall = job.ctx.config.stall_timeout
         pc = await open_pooled(job.ctx.worker.rpc, self.addresses[c], stall)
         try:
-            req = StreamRequest(job.spec.partial_key(c), offset, job.block, None, raw=True)
+            req = StreamRequest(
+                job.spec.partial_key(c), offset, job.block, None, raw=True, who=job.ctx.address
+            )
             layout, stream = await open_stream(pc.comm, req, stall_timeout=stall)
             if stream is None or layout.nbytes != job.acc.nbytes:
                 raise LayoutMismatch(
@@ -129,7 +135,8 @@ class _RawChildren:
         while True:
             pc, stream = await self.stream_of(c, offset)
             try:
-                await read_raw(stream, into, stall, pc.comm.peer_address)
+                with context_meter.meter("network", func=dask_time):
+                    await read_raw(stream, into, stall, pc.comm.peer_address)
                 return
             except Exception as e:
                 await self._replace(c, offset, e)
@@ -138,6 +145,14 @@ class _RawChildren:
         for pc, _ in self.opened.values():
             pc.release(reusable)
 
+    def record(self, start: float, nbytes: int) -> None:
+        """Each child's stream, whole, in Dask's transfer records."""
+        job = self.job
+        for c in job.children:
+            key = job.spec.partial_key(c)
+            accounting.received(job.ctx.worker, key, self.addresses[c], start, dask_time(), nbytes)
+            job.ctx.count("bytes-received", nbytes)
+
 
 async def combine_raw(job: NodeJob) -> None:
     """Combine in raw mode; a child whose stream breaks (its worker died) is
@@ -145,6 +160,11 @@ async def combine_raw(job: NodeJob) -> None:
     while its other children stream on."""
     children = _RawChildren(job)
     total = job.acc.nbytes
+    start = dask_time()
+    streams = contextlib.ExitStack()
+    for c in job.children:
+        key = job.spec.partial_key(c)
+        streams.enter_context(job.ctx.receiving(key, job.spec.addresses[c], job.acc, "reduce"))
     try:
         job.acc.start_at(job.offset)
         for c in job.children:
@@ -160,7 +180,10 @@ async def combine_raw(job: NodeJob) -> None:
     except BaseException:
         children.release_all(False)
         raise
+    finally:
+        streams.close()
     children.release_all(True)
+    children.record(start, total - job.offset)
 
 
 async def combine_buffered(job: NodeJob) -> None:
@@ -199,12 +222,20 @@ async def _pull(job: NodeJob, child: int, buf: ObjectBuffer) -> int:
     """Stream a child's partial result into ``buf``."""
     spec, stall = job.spec, job.ctx.config.stall_timeout
     addr = spec.addresses[child]
+    start = dask_time()
     try:
-        async with pooled_comm(job.ctx.worker.rpc, addr, stall) as comm:
-            req = StreamRequest(
-                spec.partial_key(child), 0, spec.block_bytes, None, raw=raw_stream(comm) is not None
-            )
-            return await receive_stream(comm, buf, req, stall_timeout=stall)
+        with (
+            job.ctx.receiving(spec.partial_key(child), addr, buf, "reduce"),
+            context_meter.meter("network", func=dask_time),
+        ):
+            async with pooled_comm(job.ctx.worker.rpc, addr, stall) as comm:
+                raw = raw_stream(comm) is not None
+                key = spec.partial_key(child)
+                req = StreamRequest(key, 0, spec.block_bytes, None, raw=raw, who=job.ctx.address)
+                n = await receive_stream(comm, buf, req, stall_timeout=stall)
+        accounting.received(job.ctx.worker, key, addr, start, dask_time(), n)
+        job.ctx.count("bytes-received", n)
+        return n
     except BaseException as e:
         logger.debug("stream of partial %s from %s failed", buf.key, addr, exc_info=True)
         buf.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))

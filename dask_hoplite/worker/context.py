@@ -14,15 +14,17 @@ The configuration is read from the context at each use, so replacing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import logging
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from dask.typing import Key
 from distributed import secede
+from distributed.metrics import context_meter
 from distributed.protocol import deserialize, serialize
 from distributed.utils import offload, sync
 from distributed.worker import Worker
@@ -42,6 +44,22 @@ T = TypeVar("T")
 FetchParts = Callable[[list[Key], dict[Key, list[str]]], Awaitable[list[Any]]]
 
 
+@dataclasses.dataclass(eq=False)
+class IncomingStream:
+    """A stream into this worker, for the progress the heartbeat reports."""
+
+    key: Key
+    sender: str
+    #: The buffer the stream fills (for a reduce node: the node's result,
+    #: which advances as its children's blocks land).
+    buf: ObjectBuffer
+    #: "object" (a key's copy) or "reduce" (a child's partial result).
+    kind: str
+    #: The byte the stream started from: > 0 for a resumed stream or a
+    #: repaired reduce node.
+    start: int = 0
+
+
 @dataclasses.dataclass
 class WorkerContext:
     """The worker part's shared state: one per worker, built by the plugin."""
@@ -54,6 +72,12 @@ class WorkerContext:
     #: The latest transfers into this worker: key, sender, bytes, and wall
     #: times of the directory request and the last byte.
     recent: deque[dict[str, Any]] = dataclasses.field(default_factory=lambda: deque(maxlen=100))
+    #: Streams running now, by direction ("in", "out").
+    active: Counter[str] = dataclasses.field(default_factory=Counter)
+    #: Streams into this worker now.
+    incoming: set[IncomingStream] = dataclasses.field(default_factory=set)
+    #: Reduce trees rooted here, by (kind, outcome).
+    collectives: Counter[tuple[str, str]] = dataclasses.field(default_factory=Counter)
     #: Fire-and-forget calls, referenced until they finish.
     background: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)
     #: The plugin was torn down: components stop taking new work.
@@ -65,6 +89,34 @@ class WorkerContext:
 
     def count(self, name: str, n: int = 1) -> None:
         self.stats[name] = self.stats.get(name, 0) + n
+
+    def event(self, action: str, **details: Any) -> None:
+        """Count ``action`` and tell it to ``client.get_events("hoplite")``:
+        something an operator wants to see (a resume, a fallback, a repair)."""
+        self.count(action)
+        with contextlib.suppress(Exception):  # no scheduler: the count stays
+            self.worker.log_event("hoplite", {"action": action, "worker": self.address, **details})
+
+    @contextlib.contextmanager
+    def streaming(self, direction: str) -> Iterator[None]:
+        """Count a stream as active while it runs (``direction``: "in", "out")."""
+        self.active[direction] += 1
+        try:
+            yield
+        finally:
+            self.active[direction] -= 1
+
+    @contextlib.contextmanager
+    def receiving(self, key: Key, sender: str, buf: ObjectBuffer, kind: str) -> Iterator[None]:
+        """A stream of ``key`` from ``sender`` into ``buf`` runs: count it and
+        show its progress in the heartbeat."""
+        stream = IncomingStream(key, sender, buf, kind, buf.progress)
+        self.incoming.add(stream)
+        try:
+            with self.streaming("in"):
+                yield
+        finally:
+            self.incoming.discard(stream)
 
     def send(self, msg: dict[str, Any]) -> None:
         """Send ``msg`` to the scheduler on the worker's batched stream, if open."""
@@ -87,7 +139,8 @@ class WorkerContext:
     async def serialize(self, value: Any) -> tuple[dict[str, Any], list[Any]]:
         """``value`` as hoplite serves it: header and frames (zero-copy for
         numpy arrays), serialised off the event loop."""
-        return await offload(serialize, value, serializers=("dask", "pickle"), on_error="raise")
+        with context_meter.meter("serialize"):
+            return await offload(serialize, value, serializers=("dask", "pickle"), on_error="raise")
 
     async def deserialize(self, buf: ObjectBuffer) -> Any:
         """The object in the complete buffer ``buf``, deserialised off the loop."""
@@ -95,7 +148,8 @@ class WorkerContext:
         # Dask's deserialize mutates headers (it pops collection keys); the
         # layout keeps serving other receivers, so give it a copy.
         header = copy.deepcopy(buf.layout.header)
-        return await offload(deserialize, header, buf.frames())
+        with context_meter.meter("deserialize"):
+            return await offload(deserialize, header, buf.frames())
 
 
 def run_on_loop(

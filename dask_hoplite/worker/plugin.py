@@ -21,6 +21,7 @@ from distributed import WorkerPlugin
 from distributed.worker import Worker
 from tornado.ioloop import PeriodicCallback
 
+from dask_hoplite import logs
 from dask_hoplite._version import __version__
 from dask_hoplite.compat import check_distributed_version, check_internals
 from dask_hoplite.config import HopliteConfig
@@ -30,7 +31,9 @@ from dask_hoplite.errors import VersionMismatch
 from dask_hoplite.worker.aggregate import AggregateTakeover
 from dask_hoplite.worker.allreduce import Allreduce
 from dask_hoplite.worker.context import PLUGIN_NAME, WorkerContext
+from dask_hoplite.worker.metrics import WORKER_SERIES
 from dask_hoplite.worker.partial_copies import PartialCopies
+from dask_hoplite.worker.progress import METRIC, ProgressReport
 from dask_hoplite.worker.receiver import DaskFetchPaths, Receiver
 from dask_hoplite.worker.reduce_node import ReduceNodes
 from dask_hoplite.worker.reduce_root import ReduceRoots
@@ -125,6 +128,10 @@ class HopliteWorker(WorkerPlugin):
         trim = PeriodicCallback(self._trim_pool, interval)
         worker.periodic_callbacks[_TRIM_CALLBACK] = trim
         trim.start()
+        WORKER_SERIES.add(parts.ctx)
+        worker.metrics[METRIC] = ProgressReport(parts.ctx)
+        logs.show_warnings()
+        logs.to_worker_log(getattr(worker, "_deque_handler", None))
         logger.debug("hoplite worker part installed on %s", worker.address)
 
     def _handlers(self) -> dict[str, Callable[..., Any]]:
@@ -145,6 +152,10 @@ class HopliteWorker(WorkerPlugin):
         if p is None:
             return
         p.ctx.closed = True
+        WORKER_SERIES.remove(p.ctx)
+        logs.off_worker_log(getattr(worker, "_deque_handler", None))
+        if isinstance(worker.metrics.get(METRIC), ProgressReport):
+            del worker.metrics[METRIC]
         if worker.__dict__.get("gather_dep") == p.fetch_paths.gather_dep:
             del worker.gather_dep
         if worker.handlers.get("gather") == p.fetch_paths.gather:

@@ -29,6 +29,8 @@ from typing import Any
 from dask.typing import Key
 from distributed import Reschedule
 from distributed.comm.core import CommClosedError
+from distributed.metrics import context_meter
+from distributed.metrics import time as dask_time
 from distributed.worker import WORKER_ANY_RUNNING, Worker, get_data_from_worker
 from distributed.worker_state_machine import GatherDepSuccessEvent, StateMachineEvent
 
@@ -36,6 +38,7 @@ from dask_hoplite.core.protocol import PROTOCOL_VERSION, StreamRequest
 from dask_hoplite.core.store import BufferState, ObjectBuffer
 from dask_hoplite.errors import LayoutChanged
 from dask_hoplite.streams import pooled_comm, raw_stream, receive_stream
+from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -96,12 +99,16 @@ class Receiver:
         buf = self.ctx.store.announce(key)  # may be a partial copy left by an earlier attempt
         excluded: list[str] = []
         gone = False
+        reason = ""
+        start = dask_time()
         for _attempt in range(self.ctx.config.max_resumes + 1):
             t_request = time.time()
             reply = await self._ask_directory(key, buf, excluded)
             if reply is None:
+                reason = "the directory could not be asked"
                 break
             if reply.get("status") != "assign":
+                reason = f"the directory answered {reply.get('status')!r}"
                 gone = bool(reply.get("gone"))
                 self.holders[key] = list(reply.get("holders") or ())
                 break
@@ -112,7 +119,7 @@ class Receiver:
             outcome = await self._stream_from(buf, sender, tid, int(reply.get("nbytes") or 0))
             if outcome is _RESTART:
                 # Another object than the bytes we hold: start over, from byte 0.
-                self.ctx.count("restarts")
+                self.ctx.event("restarts", key=str(key), sender=sender)
                 buf.fail(LayoutChanged(f"{key!r} changed; restarting from byte 0"))
                 self.ctx.store.discard_if(key, buf)
                 buf = self.ctx.store.announce(key)
@@ -120,8 +127,11 @@ class Receiver:
             if outcome is _FAILED:
                 excluded.append(sender)
                 if buf.progress:
-                    self.ctx.count("resumes")
+                    self.ctx.event("resumes", key=str(key), byte=buf.progress, failed=sender)
                 continue
+            accounting.received(
+                self.ctx.worker, key, sender, start, dask_time(), buf.nbytes, outcome
+            )
             self.ctx.recent.append(
                 {
                     "key": key,
@@ -133,6 +143,9 @@ class Receiver:
                 }
             )
             return True, outcome
+        if reply is None or reply.get("status") != "small":
+            reason = reason or f"no sender finished the stream (tried {', '.join(excluded)})"
+            self.ctx.event("fallbacks", key=str(key), reason=reason, byte=buf.progress)
         self._give_up(key, buf)
         return False, GONE if gone else None
 
@@ -179,11 +192,16 @@ class Receiver:
         n = 0
         t0 = time.monotonic()
         try:
-            async with pooled_comm(w.rpc, sender, stall) as comm:
-                offset = buf.progress if buf.layout is not None else 0
-                block = ctx.config.block_size_for(nbytes)
-                req = StreamRequest(key, offset, block, tid, raw=raw_stream(comm) is not None)
-                n = await receive_stream(comm, buf, req, stall_timeout=stall)
+            with (
+                ctx.receiving(key, sender, buf, "object"),
+                context_meter.meter("network", func=dask_time),
+            ):
+                async with pooled_comm(w.rpc, sender, stall) as comm:
+                    offset = buf.progress if buf.layout is not None else 0
+                    block = ctx.config.block_size_for(nbytes)
+                    raw = raw_stream(comm) is not None
+                    req = StreamRequest(key, offset, block, tid, raw=raw, who=w.address)
+                    n = await receive_stream(comm, buf, req, stall_timeout=stall)
             value = await ctx.deserialize(buf)
             ok = True
             ctx.count("bytes-received", n)

@@ -184,5 +184,5 @@ class ReduceNodes:
             raise error from e
         if reply.get("status") != "OK":
             raise error
-        self.ctx.count("reduce-children-replaced")
+        self.ctx.event("reduce-children-replaced", slot=slot, dead=dead)
         return str(reply["address"])

@@ -109,6 +109,7 @@ class TreeRoot:
             raise self._clearest_error(failed)
         if self.repair.used:
             self.ctx.count("reduce-repairs", self.repair.used)
+            self.ctx.event("reduce-repaired", rid=self.rid, nodes=self.repair.used)
         return await self.ctx.deserialize(own.result())
 
     async def _supervise(self, own: asyncio.Task[ObjectBuffer]) -> list[Task]:
@@ -316,20 +317,36 @@ class ReduceRoots:
         if spec.addresses[root] != ctx.address:  # Dask ran the root elsewhere
             spec = await self._relocated(spec, set())
         failed: set[str] = set()  # workers that did not answer their node's call
+        kind = "allreduce" if spec.copies or spec.segment is not None else "reduce"
+        t0 = time.monotonic()
         for attempt in range(ctx.config.max_resumes + 1):
             try:
-                t1 = time.monotonic()
                 result = await self._attempt(spec, value)
-                logger.debug("reduction %s took %.2fs", spec.rid, time.monotonic() - t1)
+                logger.debug("reduction %s took %.2fs", spec.rid, time.monotonic() - t0)
                 break
             except ReduceInputError:
+                ctx.collectives[kind, "failed"] += 1
                 raise
             except Exception as e:
                 if not restartable or attempt == ctx.config.max_resumes:
+                    ctx.collectives[kind, "failed"] += 1
                     raise
                 if isinstance(e, NodeFailed) and e.unreachable:
                     failed.add(e.address)
                 spec = await self._restart(spec, e, failed)
+        ctx.collectives[kind, "restarted" if attempt else "ok"] += 1
+        ctx.send(
+            {
+                "op": "hoplite-collective",
+                "kind": kind,
+                "outcome": "restarted" if attempt else "ok",
+                "rid": spec.rid,
+                "root": ctx.address,
+                "inputs": len(spec.inputs),
+                "nbytes": int(getattr(result, "nbytes", 0)),
+                "seconds": time.monotonic() - t0,
+            }
+        )
         if not spec.children(root):  # a single input: its buffer is the input itself
             result = result.copy()
         resolve_op(spec.op).finish(result, len(spec.inputs))
@@ -351,7 +368,7 @@ class ReduceRoots:
             type(error).__name__,
             error,
         )
-        self.ctx.count("reduce-restarts")
+        self.ctx.event("reduce-restarts", rid=spec.rid, error=f"{type(error).__name__}: {error}")
         t0 = time.monotonic()
         new = await self._relocated(spec, avoid)
         logger.info(

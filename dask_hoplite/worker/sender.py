@@ -22,6 +22,7 @@ from dask_hoplite.core.reduce_spec import is_partial_key
 from dask_hoplite.core.store import BufferState, ObjectBuffer
 from dask_hoplite.errors import ProtocolError
 from dask_hoplite.streams import send_stream, wait_progress
+from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import WorkerContext
 from dask_hoplite.worker.reductions import RunningReductions
 
@@ -66,28 +67,36 @@ class Sender:
             )
         return buf
 
+    @accounting.metered_as("get-data")
     async def handle_stream(self, comm: Comm, **msg: Any) -> Status:
-        """Peer handler ``hoplite_stream``: stream a key from a byte offset."""
+        """Peer handler ``hoplite_stream``: stream a key from a byte offset,
+        counted in the worker's outgoing transfers as Dask counts its own."""
         ctx = self.ctx
         try:
             req = StreamRequest.parse(msg)
             buf = await self._open(req)
         except Exception as e:
             logger.info("refusing hoplite stream to %s: %s", comm.peer_address, e)
-            ctx.count("requests-refused")
+            ctx.event("requests-refused", peer=comm.peer_address, reason=str(e))
             try:
                 await comm.write(error_reply(str(e)))
             except (CommClosedError, OSError):
                 pass
             return Status.dont_reply
+        who = req.who or comm.peer_address
         try:
-            n = await send_stream(
-                comm,
-                buf,
-                req,
-                window_bytes=ctx.config.window_bytes,
-                stall_timeout=ctx.config.stall_timeout,
-            )
+            with (
+                ctx.streaming("out"),
+                accounting.sending(ctx.worker, req.key, who, buf.nbytes - req.offset) as sent,
+            ):
+                n = await send_stream(
+                    comm,
+                    buf,
+                    req,
+                    window_bytes=ctx.config.window_bytes,
+                    stall_timeout=ctx.config.stall_timeout,
+                    sent=sent,
+                )
             ctx.count("bytes-sent", n)
             if req.offset + n == buf.nbytes:
                 self.reductions.sent(req.key)

@@ -110,7 +110,7 @@ class SmallAllreduce:
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, 1.0)
             holder = where["worker"]
-        self.ctx.count("allreduce-fallbacks")
+        self.ctx.event("allreduce-fallbacks", path="small-allreduce")
         who_has = await w.scheduler.who_has(keys=list(inputs))
         values = await self.fetch_parts(
             list(inputs), {k: list(who_has.get(k) or []) for k in inputs}
