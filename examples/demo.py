@@ -11,7 +11,7 @@ When run as root with iproute2 it builds an emulated cluster of 8 hosts with
 network is the bottleneck as on a real cluster; otherwise it uses a
 LocalCluster on this machine's loopback, where there is little to win.
 
-    python examples/demo.py [--size 256MiB] [--workers 8] [--rate-mbit 1000]
+    python examples/demo.py [--size 256MiB] [--workers 8] [--rate-mbit 1000] [--local]
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The checkout's root, for ``benchmarks.emulation``; appended, so that an
+# installed dask_hoplite (a wheel in a virtualenv) is the one imported.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 from dask.utils import format_bytes, parse_bytes  # noqa: E402
@@ -63,10 +65,12 @@ def main() -> int:
     p.add_argument("--size", default="256MiB")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--rate-mbit", type=float, default=1000)
+    p.add_argument("--local", action="store_true", help="a LocalCluster even as root")
     args = p.parse_args()
     size = parse_bytes(args.size)
+    print(f"dask-hoplite {dask_hoplite.__version__} from {os.path.dirname(dask_hoplite.__file__)}")
 
-    ok, why = emulation.available()
+    ok, why = (False, "--local") if args.local else emulation.available()
     timings: dict[str, float] = {}
     results: dict[str, list[int]] = {}
     if ok:
