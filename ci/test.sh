@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Install dask-hoplite with its test extras and run every check: lint, types,
-# the default test suite, then the slow tests. Exits non-zero on any failure.
+# the default test suite, the slow tests, the package (sdist and wheel built,
+# checked, the wheel installed in a fresh virtualenv running the demo) and the
+# docs (built with warnings as errors). Exits non-zero on any failure.
 # README's test command and CI (.ci/run) both run exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The /hoplite page is tested in Debian's headless chromium (with chromedriver).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "== apt-get install chromium chromium-driver"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+    else
+        echo "chromium and chromium-driver are not installed and cannot be (needs root and apt-get);"
+        echo "the browser test will be skipped outside CI."
+    fi
+fi
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
 echo "== ruff"
-"$PY" -m ruff check dask_hoplite tests benchmarks examples
+"$PY" -m ruff check dask_hoplite tests benchmarks examples docs
 echo "== mypy"
 "$PY" -m mypy
 echo "== pytest (default suite)"
@@ -19,3 +31,5 @@ rc=$?
 set -e
 # pytest exits 5 when no test carries the mark; that is not a failure.
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
+bash ci/package.sh
+bash ci/docs.sh
