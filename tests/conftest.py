@@ -32,6 +32,20 @@ def three_workers(config: dict | None = None):
         yield c
 
 
+@contextlib.contextmanager
+def process_workers(n: int = 3):
+    """``n`` worker processes (a real process boundary, e.g. to kill or stop
+    one) with the plugin registered: yields (cluster, client)."""
+    with (
+        LocalCluster(
+            n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        c.register_plugin(dh.Hoplite())
+        yield cluster, c
+
+
 @pytest.fixture(scope="module")
 def client():
     """:func:`three_workers`, shared by one module's tests (sync API)."""

@@ -18,10 +18,9 @@ import urllib.request
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from conftest import process_workers
 
 import dask_hoplite as dh
-from dask_hoplite import Hoplite
 
 SIZE = 768 * 2**20  # big enough that the stream is caught before it ends
 
@@ -47,13 +46,7 @@ def held_broadcast():
     other two whose sender is stopped mid-stream. Yields (client, dashboard
     base URL, key, sender, receivers); the sender resumes at the end and the
     broadcast must then finish with the right values."""
-    with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        client.register_plugin(Hoplite())
+    with process_workers(3) as (cluster, client):
         base = client.dashboard_link.rsplit("/", 1)[0]
         pids = {n.worker_address: n.process.pid for n in cluster.workers.values()}
         src, *receivers = sorted(pids)

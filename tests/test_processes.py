@@ -8,6 +8,7 @@ import asyncio
 import dask
 import numpy as np
 import pytest
+from conftest import process_workers
 from distributed import Client, LocalCluster, wait
 
 from dask_hoplite import Hoplite
@@ -189,13 +190,7 @@ def test_small_allreduce_survives_the_death_of_its_roots_worker():
     import signal
     import time
 
-    with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as c,
-    ):
-        c.register_plugin(Hoplite())
+    with process_workers(3) as (cluster, c):
         ws = worker_addresses(c)
         futures = [
             c.submit(np.full, 10, float(i + 1), workers=[w], allow_other_workers=True)
