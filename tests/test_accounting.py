@@ -74,6 +74,10 @@ async def test_a_broadcast_is_in_the_transfer_logs_and_task_stream_of_every_rece
     for addr, transfers in bars.items():
         assert [t["source"] for t in transfers] == [senders[addr]]
         assert transfers[0]["stop"] >= transfers[0]["start"]
+    # The worker's story of the key says what came from whom, as for Dask's fetches.
+    for w in receivers:
+        received = [ev[:3] for ev in w.state.story(x.key) if ev[0] == "receive-dep"]
+        assert received == [("receive-dep", senders[w.address], {x.key})]
 
 
 @gen_cluster(client=True, nthreads=[("", 1)] * 3)

@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_hoplite.core.directory import Assign, Missing, ObjectDirectory, ObjectRecord, Queued
+from dask_hoplite.core.directory import (
+    Assign,
+    Missing,
+    ObjectDirectory,
+    ObjectRecord,
+    Queued,
+    host_of,
+)
 
 K = "x"
 
@@ -281,3 +288,30 @@ def test_partial_copies_fed_by_an_excluded_sender_are_not_assigned():
     d.request(K, "a", holders=["src"])  # src -> a
     # b gives up on src: a's partial copy also waits on src, so it is no help.
     assert d.request(K, "b", holders=["src"], exclude=["src"]) == Missing(K, "b")
+
+
+def test_a_holder_on_the_receivers_host_is_preferred():
+    d = ObjectDirectory(fanout=1)
+    h1, h2 = "tcp://10.0.0.1:4000", "tcp://10.0.0.2:4000"  # Dask's holders
+    # By address h1 would come first; the receiver on 10.0.0.2 gets h2.
+    a = d.request(K, "tcp://10.0.0.2:5000", [h1, h2])
+    assert isinstance(a, Assign) and a.sender == h2
+    b = d.request(K, "tcp://10.0.0.1:5000", [h1, h2])
+    assert isinstance(b, Assign) and b.sender == h1
+    # Both holders busy: of the two relays, the one on the receiver's host,
+    # although the other was assigned first.
+    c = d.request(K, "tcp://10.0.0.1:6000", [h1, h2])
+    assert isinstance(c, Assign) and c.sender == "tcp://10.0.0.1:5000"
+
+
+@pytest.mark.parametrize(
+    "address, host",
+    [
+        ("tcp://10.0.0.1:8786", "10.0.0.1"),
+        ("tls://node-3.cluster:40123", "node-3.cluster"),
+        ("tcp://[::1]:8786", "::1"),
+        ("inproc://10.0.0.1/123/4", "10.0.0.1"),
+    ],
+)
+def test_host_of(address, host):
+    assert host_of(address) == host

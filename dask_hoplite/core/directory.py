@@ -16,7 +16,9 @@ The rules follow Hoplite (Zhuang et al., SIGCOMM 2021):
 * A holder streams one key to at most ``fanout`` receivers at once.
 * Idle complete copies are preferred; then the partial copy closest to a
   complete one (most bytes, by construction); a partial copy downstream of the
-  requester is never chosen (it depends on the requester: deadlock).
+  requester is never chosen (it depends on the requester: deadlock). Among
+  equals, and before any remote holder, a holder on the receiver's own host
+  (as Dask prefers local holders): its bytes need not cross a NIC.
 * With every holder saturated, the request queues until capacity frees; the
   senders it gave up on stay excluded when it is served.
 * When Dask loses every complete copy (its holders died), the partial copies
@@ -64,6 +66,17 @@ class Missing:
 
 
 Decision = Assign | Queued | Missing
+
+
+def host_of(address: str) -> str:
+    """The host part of a comm address (``tcp://10.0.0.1:8786`` -> ``10.0.0.1``,
+    ``tcp://[::1]:8786`` -> ``::1``), as Dask's ``get_address_host``."""
+    scheme, _, loc = address.rpartition("://")
+    if scheme == "inproc":  # inproc://10.0.0.1/<pid>/<n>
+        return loc.split("/", 1)[0]
+    if loc.startswith("["):
+        return loc[1 : loc.index("]")]
+    return loc.rsplit(":", 1)[0] if ":" in loc else loc
 
 
 @dataclass
@@ -279,9 +292,16 @@ class ObjectDirectory:
         if not copies and not partial:
             return Missing(rec.key, receiver)
 
+        # Holders on the receiver's host first (as Dask prefers them): their
+        # bytes need not cross a NIC.
+        host = host_of(receiver)
+
+        def remote(a: str) -> bool:
+            return host_of(a) != host
+
         idle = [a for a in copies if rec.uploads.get(a, 0) < self.fanout]
         if idle:
-            sender = min(idle, key=lambda a: (rec.uploads.get(a, 0), a))
+            sender = min(idle, key=lambda a: (remote(a), rec.uploads.get(a, 0), a))
             return self._start(rec, sender, receiver, depth=1)
 
         candidates = [
@@ -290,7 +310,7 @@ class ObjectDirectory:
             if rec.uploads.get(r, 0) < self.fanout and not self._depends_on(rec, r, receiver)
         ]
         if candidates:
-            best = min(candidates, key=lambda t: (t.depth, t.transfer_id))
+            best = min(candidates, key=lambda t: (remote(t.receiver), t.depth, t.transfer_id))
             return self._start(rec, best.receiver, receiver, depth=best.depth + 1)
         return Queued(rec.key, receiver)
 

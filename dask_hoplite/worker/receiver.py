@@ -58,6 +58,9 @@ class Receiver:
         self.fetching: dict[Key, asyncio.Future[None]] = {}
         #: Holders of keys hoplite gave up on, as the scheduler saw them then.
         self.holders: dict[Key, list[str]] = {}
+        #: The sender each key fetched here came from last (this worker's
+        #: address for a copy it had already), for Dask's story of the fetch.
+        self.senders: dict[Key, str] = {}
 
     def is_fetching(self, key: Key) -> bool:
         return key in self.fetching
@@ -83,6 +86,7 @@ class Receiver:
         buf = self.ctx.store.get(key)
         if buf is not None and buf.state is BufferState.COMPLETE:
             self.ctx.count("local-hits")
+            self.senders[key] = self.ctx.address
             return True, await self.ctx.deserialize(buf)
 
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -132,6 +136,7 @@ class Receiver:
             accounting.received(
                 self.ctx.worker, key, sender, start, dask_time(), buf.nbytes, outcome
             )
+            self.senders[key] = sender
             self.ctx.recent.append(
                 {
                     "key": key,
@@ -250,6 +255,7 @@ class Receiver:
             if key in out:
                 continue
             ok, value = await self.fetch(key)
+            self.senders.pop(key, None)
             if key not in w.state.tasks and key in self.ctx.store:
                 self.drop_untracked(key)
             out[key] = value if ok else await get_data_or_reschedule(w, key, who_has[key])
@@ -307,16 +313,22 @@ class DaskFetchPaths:
         logger.debug(
             "gather_dep from %s: %d key(s), %d through hoplite", worker, len(to_gather), len(large)
         )
+        # Dask's story of a fetch: what was asked of whom, and what came from
+        # whom (the senders hoplite's directory chose, not necessarily Dask's peer).
+        w.state.log.append(("request-dep", worker, set(large), stimulus_id, time.time()))
         results = await asyncio.gather(
             *(self.receiver.fetch(k) for k in large), return_exceptions=True
         )
         data: dict[Key, Any] = {}
         gone: set[Key] = set()
+        by_sender: dict[str, set[Key]] = {}
         for key, res in zip(large, results, strict=True):
+            sender = self.receiver.senders.pop(key, worker)
             if isinstance(res, BaseException):
                 logger.error("hoplite fetch of %r raised", key, exc_info=res)
             elif res[0]:
                 data[key] = res[1]
+                by_sender.setdefault(sender, set()).add(key)
             elif res[1] is GONE or worker not in self.receiver.holders.get(key, [worker]):
                 gone.add(key)
             self.receiver.holders.pop(key, None)
@@ -325,9 +337,10 @@ class DaskFetchPaths:
         # recomputed). Leaving them out of ``data`` tells the state machine
         # this peer lacks them, so it asks the scheduler where they are now
         # instead of trying a dead peer until its connect timeout.
+        for sender, keys in sorted(by_sender.items()):
+            w.state.log.append(("receive-dep", sender, keys, stimulus_id, time.time()))
         rest = [k for k in to_gather if k not in data and k not in gone]
         if not rest:
-            w.state.log.append(("receive-dep-hoplite", worker, set(data), stimulus_id, time.time()))
             return GatherDepSuccessEvent(
                 worker=worker,
                 total_nbytes=total_nbytes,
@@ -348,6 +361,8 @@ class DaskFetchPaths:
         results = await asyncio.gather(
             *(self.receiver.fetch(k) for k in wanted), return_exceptions=True
         )
+        for k in wanted:
+            self.receiver.senders.pop(k, None)
         data = {
             k: r[1]
             for k, r in zip(wanted, results, strict=True)
