@@ -48,6 +48,7 @@ async def test_a_broadcast_is_in_the_transfer_logs_and_task_stream_of_every_rece
         (entry,) = [e for e in w.transfer_incoming_log if x.key in e["keys"]]
         assert entry["who"] in {v.address for v in workers} - {w.address}
         assert entry["total"] == 32 * MiB and entry["bandwidth"] > 0
+        assert entry["hoplite"] is True  # told apart from Dask's own fetches
     # Dask's bandwidth estimate learnt from those transfers.
     assert [w.bandwidth for w in receivers] != bandwidth_before
 

@@ -127,7 +127,13 @@ def _array_stats(dask_worker):
     return {
         "taken_over": p.stats.get("graph-reductions", 0) if p else 0,
         "fallbacks": p.stats.get("graph-reduction-fallbacks", 0) if p else 0,
-        "fetched_by_dask": sum(t["total"] for t in dask_worker.transfer_incoming_log),
+        # Dask's own fetches (hoplite's streams are in the log too, marked).
+        "fetched_by_dask": sum(
+            t["total"] for t in dask_worker.transfer_incoming_log if not t.get("hoplite")
+        ),
+        "streamed_by_hoplite": sum(
+            t["total"] for t in dask_worker.transfer_incoming_log if t.get("hoplite")
+        ),
     }
 
 
@@ -164,6 +170,11 @@ def test_sum_of_eight_256_mib_chunks_on_eight_workers():
         fetched = sum(after[w]["fetched_by_dask"] - before[w]["fetched_by_dask"] for w in after)
         assert dask_fetched >= 2**28  # Dask's tree moved whole partial sums
         assert fetched < 2**20, fetched  # hoplite's moved none through Dask
+        # ... and its tree's 7 streams of 256 MiB partial sums are in Dask's logs.
+        streamed = sum(
+            after[w]["streamed_by_hoplite"] - before[w]["streamed_by_hoplite"] for w in after
+        )
+        assert streamed >= 7 * 2**28, streamed
 
 
 async def _allreduce_rooted_at_first(c, futures):

@@ -21,7 +21,9 @@ tools go blind exactly where hoplite takes over:
 
 Sizes are Dask's estimate of the key where it has one (``TaskState.nbytes``,
 what Dask's own records hold) and the bytes on the wire otherwise (a reduce
-tree's partial results, which Dask never sees).
+tree's partial results, which Dask never sees). Each log entry hoplite adds
+also has ``"hoplite": True``, so that hoplite's transfers and Dask's own can
+be told apart.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def received(
         worker._update_metrics_received_data(
             start=start, stop=stop, data={key: value}, cause=cause, worker=sender
         )
+        worker.transfer_incoming_log[-1]["hoplite"] = True
         return
     # A key Dask does not track here (a task's own fetch, a reduce tree's
     # partial result): the log, the bandwidth and the digests, no startstops.
@@ -80,6 +83,7 @@ def received(
             "total": nbytes,
             "bandwidth": bandwidth,
             "who": sender,
+            "hoplite": True,
         }
     )
     if nbytes > _BANDWIDTH_MIN_BYTES:
@@ -126,6 +130,7 @@ def sending(worker: Worker, key: Key, who: str | None, nbytes: int) -> Iterator[
                 "total": sent[0],
                 "compressed": 0,
                 "bandwidth": sent[0] / duration,
+                "hoplite": True,
             }
         )
 
