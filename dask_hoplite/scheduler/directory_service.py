@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 Waiting = dict[tuple[Key, str], asyncio.Future[Decision]]
 
 
-def _decision_msg(d: Decision, nbytes: int) -> dict[str, Any]:
+def _decision_msg(d: Decision | None, nbytes: int) -> dict[str, Any]:
+    """The answer for decision ``d`` (None: no sender freed up in time)."""
     if isinstance(d, Assign):
         return {
             "status": "assign",
@@ -107,27 +108,19 @@ class DirectoryService:
         nbytes = ts.nbytes or 0
         if nbytes < self.config.min_bytes:
             return {"status": "small"}
-        holders = [ws.address for ws in ts.who_has or ()]
+        holders = self._holders(key)
         decision: Decision | None = self.directory.request(key, receiver, holders, exclude or ())
         if isinstance(decision, Queued):
+            # None: no sender freed up in time, and Dask's own path fetches it.
             decision = await self._wait_in_queue(key, receiver)
-            if decision is None:
-                # No sender freed up in time: Dask's own path fetches it from
-                # a holder (the receiver must know they still hold it, or it
-                # would take the key for lost there and ask again).
-                ts = self._task(key)
-                return {
-                    "status": "missing",
-                    "gone": not self._in_memory(key),
-                    "holders": [ws.address for ws in (ts.who_has or ())] if ts else [],
-                }
-        assert decision is not None
         logger.debug("%s asks for %r (excluding %s): %s", receiver, key, exclude, decision)
         msg = _decision_msg(decision, nbytes)
-        if isinstance(decision, Missing):
+        if not isinstance(decision, Assign):
             msg["gone"] = not self._in_memory(key)
-        ts = self._task(key)
-        msg["holders"] = [ws.address for ws in (ts.who_has or ())] if ts is not None else []
+        # Every answer names the holders as they are now: a receiver that
+        # falls back to Dask's path must know who still holds the key, or it
+        # takes the key for lost on its peer and asks again.
+        msg["holders"] = self._holders(key)
         return msg
 
     async def _wait_in_queue(self, key: Key, receiver: str) -> Decision | None:
@@ -212,6 +205,11 @@ class DirectoryService:
         self._act(self.directory.worker_removed(address))
 
     # ------------------------------------------------------------------ helpers
+
+    def _holders(self, key: Key) -> list[str]:
+        """Dask's holders of ``key`` now."""
+        ts = self._task(key)
+        return [ws.address for ws in (ts.who_has or ())] if ts is not None else []
 
     def _in_memory(self, key: Key) -> bool:
         ts = self._task(key)
