@@ -72,10 +72,10 @@ class WorkerContext:
     #: The latest transfers into this worker: key, sender, bytes, and wall
     #: times of the directory request and the last byte.
     recent: deque[dict[str, Any]] = dataclasses.field(default_factory=lambda: deque(maxlen=100))
-    #: Streams running now, by direction ("in", "out").
-    active: Counter[str] = dataclasses.field(default_factory=Counter)
     #: Streams into this worker now.
     incoming: set[IncomingStream] = dataclasses.field(default_factory=set)
+    #: How many streams out of this worker run now.
+    outgoing: int = 0
     #: Reduce trees rooted here, by (kind, outcome).
     collectives: Counter[tuple[str, str]] = dataclasses.field(default_factory=Counter)
     #: Fire-and-forget calls, referenced until they finish.
@@ -98,23 +98,22 @@ class WorkerContext:
             self.worker.log_event("hoplite", {"action": action, "worker": self.address, **details})
 
     @contextlib.contextmanager
-    def streaming(self, direction: str) -> Iterator[None]:
-        """Count a stream as active while it runs (``direction``: "in", "out")."""
-        self.active[direction] += 1
+    def streaming_out(self) -> Iterator[None]:
+        """Count a stream out of this worker while it runs."""
+        self.outgoing += 1
         try:
             yield
         finally:
-            self.active[direction] -= 1
+            self.outgoing -= 1
 
     @contextlib.contextmanager
     def receiving(self, key: Key, sender: str, buf: ObjectBuffer, kind: str) -> Iterator[None]:
-        """A stream of ``key`` from ``sender`` into ``buf`` runs: count it and
-        show its progress in the heartbeat."""
+        """A stream of ``key`` from ``sender`` into ``buf`` runs: it is in
+        ``incoming`` (counted, and its progress in the heartbeat)."""
         stream = IncomingStream(key, sender, buf, kind, buf.progress)
         self.incoming.add(stream)
         try:
-            with self.streaming("in"):
-                yield
+            yield
         finally:
             self.incoming.discard(stream)
 

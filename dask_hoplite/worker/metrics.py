@@ -100,8 +100,8 @@ def worker_families(name: Callable[[str], str], contexts: Iterable[WorkerContext
         failed.add_metric([a, "out"], ctx.stats.get("streams-aborted", 0))
         for (kind, outcome), n in sorted(ctx.collectives.items()):
             collectives.add_metric([a, kind, outcome], n)
-        for direction in ("in", "out"):
-            active.add_metric([a, direction], ctx.active.get(direction, 0))
+        active.add_metric([a, "in"], len(ctx.incoming))
+        active.add_metric([a, "out"], ctx.outgoing)
         keys.add_metric([a], len(ctx.store))
         pool.add_metric([a, "in_use"], ctx.store.nbytes)
         pool.add_metric([a, "idle"], ctx.store.pool.idle_bytes)

@@ -86,7 +86,7 @@ class Sender:
         who = req.who or comm.peer_address
         try:
             with (
-                ctx.streaming("out"),
+                ctx.streaming_out(),
                 accounting.sending(ctx.worker, req.key, who, buf.nbytes - req.offset) as sent,
             ):
                 n = await send_stream(
