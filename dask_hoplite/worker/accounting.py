@@ -47,6 +47,26 @@ _BANDWIDTH_MIN_BYTES = 1_000_000
 T = TypeVar("T")
 
 
+def _log_entry(
+    worker: Worker, key: Key, who: str | None, start: float, stop: float, nbytes: int
+) -> dict[str, Any]:
+    """A transfer-log entry as Dask writes them (times on the scheduler's
+    clock), marked as hoplite's."""
+    delay = worker.scheduler_delay
+    duration = max(0.001, stop - start)
+    return {
+        "start": start + delay,
+        "stop": stop + delay,
+        "middle": (start + stop) / 2 + delay,
+        "duration": duration,
+        "who": who,
+        "keys": {key: nbytes},
+        "total": nbytes,
+        "bandwidth": nbytes / duration,
+        "hoplite": True,
+    }
+
+
 def received(
     worker: Worker,
     key: Key,
@@ -70,22 +90,9 @@ def received(
         return
     # A key Dask does not track here (a task's own fetch, a reduce tree's
     # partial result): the log, the bandwidth and the digests, no startstops.
-    delay = worker.scheduler_delay
-    duration = max(0.001, stop - start)
-    bandwidth = nbytes / duration
-    worker.transfer_incoming_log.append(
-        {
-            "start": start + delay,
-            "stop": stop + delay,
-            "middle": (start + stop) / 2.0 + delay,
-            "duration": duration,
-            "keys": {key: nbytes},
-            "total": nbytes,
-            "bandwidth": bandwidth,
-            "who": sender,
-            "hoplite": True,
-        }
-    )
+    entry = _log_entry(worker, key, sender, start, stop, nbytes)
+    worker.transfer_incoming_log.append(entry)
+    bandwidth, duration = entry["bandwidth"], entry["duration"]
     if nbytes > _BANDWIDTH_MIN_BYTES:
         worker.bandwidth = worker.bandwidth * 0.95 + bandwidth * 0.05
         bw, cnt = worker.bandwidth_workers[sender]
@@ -117,22 +124,8 @@ def sending(worker: Worker, key: Key, who: str | None, nbytes: int) -> Iterator[
         worker.transfer_outgoing_count -= 1
         if sent[0] < nbytes:  # the total counts what was sent
             worker.transfer_outgoing_bytes_total -= nbytes - sent[0]
-        delay = worker.scheduler_delay
-        duration = max(0.001, stop - start)
-        worker.transfer_outgoing_log.append(
-            {
-                "start": start + delay,
-                "stop": stop + delay,
-                "middle": (start + stop) / 2 + delay,
-                "duration": duration,
-                "who": who,
-                "keys": {key: sent[0]},
-                "total": sent[0],
-                "compressed": 0,
-                "bandwidth": sent[0] / duration,
-                "hoplite": True,
-            }
-        )
+        entry = _log_entry(worker, key, who, start, stop, sent[0])
+        worker.transfer_outgoing_log.append({**entry, "compressed": 0})
 
 
 def metered_as(
