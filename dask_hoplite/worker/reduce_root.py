@@ -325,32 +325,38 @@ class ReduceRoots:
                 logger.debug("reduction %s took %.2fs", spec.rid, time.monotonic() - t0)
                 break
             except ReduceInputError:
-                ctx.collectives[kind, "failed"] += 1
+                self._ended(spec, kind, "failed", t0)
                 raise
             except Exception as e:
                 if not restartable or attempt == ctx.config.max_resumes:
-                    ctx.collectives[kind, "failed"] += 1
+                    self._ended(spec, kind, "failed", t0)
                     raise
                 if isinstance(e, NodeFailed) and e.unreachable:
                     failed.add(e.address)
                 spec = await self._restart(spec, e, failed)
-        ctx.collectives[kind, "restarted" if attempt else "ok"] += 1
-        ctx.send(
-            {
-                "op": "hoplite-collective",
-                "kind": kind,
-                "outcome": "restarted" if attempt else "ok",
-                "rid": spec.rid,
-                "root": ctx.address,
-                "inputs": len(spec.inputs),
-                "nbytes": int(getattr(result, "nbytes", 0)),
-                "seconds": time.monotonic() - t0,
-            }
-        )
+        self._ended(spec, kind, "restarted" if attempt else "ok", t0, result.nbytes)
         if not spec.children(root):  # a single input: its buffer is the input itself
             result = result.copy()
         resolve_op(spec.op).finish(result, len(spec.inputs))
         return result
+
+    def _ended(self, spec: ReduceSpec, kind: str, outcome: str, t0: float, nbytes: int = 0) -> None:
+        """A reduction rooted here ended: count it, and report it to the
+        scheduler's collective log (``/metrics``, the ``/hoplite`` page)."""
+        ctx = self.ctx
+        ctx.collectives[kind, outcome] += 1
+        ctx.send(
+            {
+                "op": "hoplite-collective",
+                "kind": kind,
+                "outcome": outcome,
+                "rid": spec.rid,
+                "root": ctx.address,
+                "inputs": len(spec.inputs),
+                "nbytes": int(nbytes),
+                "seconds": time.monotonic() - t0,
+            }
+        )
 
     async def _attempt(self, spec: ReduceSpec, value: Any) -> Any:
         # With allreduce copies, the first one streams the root's partial result
