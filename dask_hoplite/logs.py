@@ -27,12 +27,10 @@ class _StderrHandler(logging.StreamHandler):
 
 def show_warnings() -> None:
     """Show ``dask_hoplite``'s warnings on standard error, unless logging is
-    configured for them already (a handler on the root logger or on the
-    package's, other than a worker's log)."""
+    configured for them already: a handler on the root logger, or a stream or
+    file handler on the package's (a worker's log handler is neither)."""
     configured = logging.getLogger().handlers or any(
-        isinstance(h, (logging.StreamHandler, logging.FileHandler))
-        and type(h).__name__ != "DequeHandler"
-        for h in package_logger.handlers
+        isinstance(h, logging.StreamHandler) for h in package_logger.handlers
     )
     if configured:
         return
