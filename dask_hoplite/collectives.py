@@ -380,12 +380,13 @@ def reduce(
         raise ValueError(f"k must be an int in [1, {n}] (the number of inputs), got {k!r}")
     cfg = HopliteConfig.from_dask_config()
     rid = uuid.uuid4().hex
-    plan_key, result_key = f"hoplite-plan-{name}-{rid}", f"hoplite-reduce-{name}-{rid}"
+    result_key = f"hoplite-reduce-{name}-{rid}"
     if to is not None and not isinstance(to, str):
         raise TypeError(f"to must be a worker address (str), got {type(to).__name__}")
     req = PlanRequest(
         rid, name, tuple(f.key for f in futures), k, result_key, cfg.min_bytes, cfg.block_bytes, to
     )
+    plan_key = req.plan_key
     # One graph: the planning task (no dependencies: it waits on the cluster
     # for the first k inputs) and the result task, which runs where the plan
     # restricts it, or anywhere if that worker is gone (loose restrictions).

@@ -10,7 +10,7 @@ import time
 import dask
 import numpy as np
 import pytest
-from distributed import wait
+from distributed import Client, LocalCluster, wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -359,6 +359,27 @@ def test_reduce_returns_at_once_and_chooses_the_first_k_on_the_cluster(client):
     assert len(set(used)) == 3 and set(used) <= {f.key for f in futures}
     values = {f.key: float(i) for i, f in enumerate(futures)}
     np.testing.assert_array_equal(total.result(), np.full(1000, sum(values[k] for k in used)))
+
+
+def test_a_reduction_on_one_thread_does_not_wait_on_itself():
+    """One worker with one thread, inputs that become ready only after the
+    reduction's planning task (and rank below it): the planning task waits
+    for them without holding the only thread, so they run and the reduction
+    finishes (it used to hang: Dask counts a running coroutine task against
+    the worker's threads)."""
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0")
+        as cluster,
+        Client(cluster) as c,
+    ):
+        c.register_plugin(dh.Hoplite())
+        gate = c.submit(time.sleep, 0.5, pure=False)  # keeps the thread busy meanwhile
+        futures = [
+            c.submit(lambda _, i: np.full(1000, float(i)), gate, i, priority=-10, pure=False)
+            for i in range(3)
+        ]
+        total = dh.reduce(futures, "sum")
+        np.testing.assert_array_equal(total.result(timeout=30), np.full(1000, 3.0))
 
 
 def test_a_reduction_over_a_failed_input_names_it(client):

@@ -107,3 +107,8 @@ class PlanRequest:
     min_bytes: int
     block_bytes: int
     to: str | None = None
+
+    @property
+    def plan_key(self) -> str:
+        """The key of the planning task."""
+        return f"hoplite-plan-{self.op}-{self.rid}"

@@ -24,10 +24,11 @@ from typing import Any, TypeVar
 
 from dask.typing import Key
 from distributed import secede
-from distributed.metrics import context_meter
+from distributed.metrics import context_meter, time
 from distributed.protocol import deserialize, serialize
 from distributed.utils import offload, sync
 from distributed.worker import Worker
+from distributed.worker_state_machine import SecedeEvent
 
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.store import BlockStore, ObjectBuffer
@@ -149,6 +150,17 @@ class WorkerContext:
         header = copy.deepcopy(buf.layout.header)
         with context_meter.meter("deserialize"):
             return await offload(deserialize, header, buf.frames())
+
+
+def secede_coroutine(worker: Worker, key: Key) -> None:
+    """Take running task ``key``, a coroutine on ``worker``'s event loop,
+    out of the worker's thread slots, as :func:`distributed.secede` does for
+    a task's thread. A coroutine task that waits for other tasks must: Dask
+    counts it against ``nthreads`` while it runs, and the tasks it waits for
+    may need that very slot (with one thread per worker: a deadlock)."""
+    worker.handle_stimulus(
+        SecedeEvent(key=key, compute_duration=0.0, stimulus_id=f"hoplite-secede-{time()}")
+    )
 
 
 def run_on_loop(

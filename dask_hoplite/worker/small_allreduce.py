@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from dask.typing import Key
 from distributed.comm.core import CommClosedError
 from distributed.protocol import to_serialize
 from distributed.utils import offload
-from distributed.worker_state_machine import SecedeEvent
 
 from dask_hoplite.core.reduce_spec import reduce_values
-from dask_hoplite.worker.context import FetchParts, WorkerContext
+from dask_hoplite.worker.context import FetchParts, WorkerContext, secede_coroutine
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +129,5 @@ class SmallAllreduce:
         """Take running task ``key`` (a coroutine) out of this worker's thread
         slots, once, as :func:`distributed.secede` does for a thread."""
         if not seceded and key is not None:
-            self.ctx.worker.handle_stimulus(
-                SecedeEvent(
-                    key=key, compute_duration=0.0, stimulus_id=f"hoplite-secede-{time.time()}"
-                )
-            )
+            secede_coroutine(self.ctx.worker, key)
         return True

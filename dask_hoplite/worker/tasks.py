@@ -15,7 +15,7 @@ from distributed.worker import Worker
 
 from dask_hoplite.core.reduce_plan import PlanRequest
 from dask_hoplite.worker import planned_reduce
-from dask_hoplite.worker.context import PLUGIN_NAME, run_on_loop
+from dask_hoplite.worker.context import PLUGIN_NAME, run_on_loop, secede_coroutine
 from dask_hoplite.worker.plugin import HopliteWorker, WorkerParts
 
 
@@ -33,9 +33,12 @@ def worker_part(w: Worker) -> WorkerParts:
 
 async def plan_reduce(req: PlanRequest) -> dict[str, Any]:
     """The planning task of a reduction: waits on the cluster for its first k
-    inputs and returns the plan (a coroutine: it waits on the event loop and
-    holds no thread of the worker)."""
-    return await planned_reduce.choose_and_plan(get_worker(), req)
+    inputs and returns the plan (a coroutine: it waits on the event loop, and
+    leaves the worker's thread slots first: the inputs it waits for may need
+    the slot, e.g. with one thread per worker)."""
+    w = get_worker()
+    secede_coroutine(w, req.plan_key)
+    return await planned_reduce.choose_and_plan(w, req)
 
 
 async def run_reduce(plan: dict[str, Any]) -> Any:
