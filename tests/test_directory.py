@@ -171,7 +171,8 @@ def test_bad_fanout_is_rejected():
 
 # ----------------------------------------------------------------- properties
 
-workers = st.sampled_from([f"w{i}" for i in range(6)])
+# Three hosts of two workers each, and one worker alone on its host.
+workers = st.sampled_from([f"tcp://10.0.0.{i // 2}:{4000 + i}" for i in range(6)] + ["w6"])
 keys = st.sampled_from(["k1", "k2"])
 events = st.lists(
     st.one_of(
@@ -204,8 +205,17 @@ def check_invariants(d: ObjectDirectory) -> None:
             assert t.sender != r
             counts[t.sender] = counts.get(t.sender, 0) + 1
         assert counts == rec.uploads
-        assert all(n <= d.fanout for n in counts.values())
-        assert rec.peak_uploads <= d.fanout
+        # Per NIC (streams leaving a host) and per holder within its host.
+        nic: dict[str, int] = {}
+        local: dict[str, int] = {}
+        for t in rec.incoming.values():
+            if host_of(t.sender) == host_of(t.receiver):
+                local[t.sender] = local.get(t.sender, 0) + 1
+            else:
+                nic[host_of(t.sender)] = nic.get(host_of(t.sender), 0) + 1
+        assert nic == rec.nic_uploads and local == rec.local_uploads
+        assert all(n <= d.fanout for n in [*nic.values(), *local.values()])
+        assert rec.peak_uploads <= 2 * d.fanout
         # No cycles: walking upstream always ends.
         for r in rec.incoming:
             chain = list(d.upstream(key, r))
@@ -315,3 +325,65 @@ def test_a_holder_on_the_receivers_host_is_preferred():
 )
 def test_host_of(address, host):
     assert host_of(address) == host
+
+
+def _host_workers(hosts: int, per_host: int) -> list[str]:
+    return [f"tcp://10.0.0.{h}:{4000 + j}" for h in range(hosts) for j in range(per_host)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fanout=st.integers(1, 3),
+    per_host=st.integers(1, 4),
+    data=st.data(),
+)
+def test_a_broadcast_enters_each_host_once(fanout, per_host, data):
+    """Whatever the order receivers arrive and streams end in, every host but
+    the source's receives the key over its NIC exactly once, and the source's
+    other workers take it over loopback."""
+    everyone = _host_workers(4, per_host)
+    src, receivers = everyone[0], everyone[1:]
+    d = ObjectDirectory(fanout=fanout)
+    waiting = data.draw(st.permutations(receivers))
+    while waiting or d.transfers:
+        if waiting and (not d.transfers or data.draw(st.booleans())):
+            d.request(K, waiting.pop(), holders=[src])
+        else:
+            ids = sorted(d.transfers)
+            d.transfer_finished(ids[data.draw(st.integers(0, len(ids) - 1))], ok=True)
+        check_invariants(d)
+    rec = d.objects[K]
+    assert rec.complete == set(receivers)
+    into = [host_of(r) for s_, r in rec.edges if host_of(s_) != host_of(r)]
+    assert sorted(into) == sorted({host_of(r) for r in receivers} - {host_of(src)})
+
+
+def test_the_fanout_limit_counts_per_nic():
+    d = ObjectDirectory(fanout=1)
+    a1, a2, b, c = "tcp://10.0.0.1:1", "tcp://10.0.0.1:2", "tcp://10.0.0.2:1", "tcp://10.0.0.3:1"
+    # Two complete copies on host 10.0.0.1, one NIC: b takes a1; c may not
+    # take a2 over the same NIC, and takes b's partial copy instead.
+    assert d.request(K, b, holders=[a1, a2]) == Assign(K, b, a1, 1)
+    assert d.request(K, c, holders=[a1, a2]).sender == b
+    # More workers on b's host take the key from b's partial copy over
+    # loopback (b serves one stream over its NIC and one locally), then
+    # from one another, although a2 is an idle complete copy.
+    b2, b3 = "tcp://10.0.0.2:2", "tcp://10.0.0.2:3"
+    assert d.request(K, b2, holders=[a1, a2]).sender == b
+    assert d.request(K, b3, holders=[a1, a2]).sender == b2
+    # A worker on the source's host takes the idle local copy.
+    a3 = "tcp://10.0.0.1:3"
+    assert d.request(K, a3, holders=[a1, a2]).sender == a2
+
+
+def test_a_receiver_waits_for_its_hosts_copy_rather_than_cross_the_nic_twice():
+    d = ObjectDirectory(fanout=1)
+    src, b, b2, b3 = "tcp://10.0.0.1:1", "tcp://10.0.0.2:1", "tcp://10.0.0.2:2", "tcp://10.0.0.2:3"
+    t = d.request(K, b, holders=[src])  # src -> b over the NIC
+    d.transfer_finished(t.transfer_id, ok=True)
+    t2 = d.request(K, b2, holders=[src])  # b -> b2 locally
+    assert t2.sender == b
+    # b3 gave up on b2; b is busy with b2. src's NIC is idle, yet b3 waits
+    # for b rather than pull the key into the host a second time.
+    assert d.request(K, b3, holders=[src], exclude=[b2]) == Queued(K, b3)
+    assert d.transfer_finished(t2.transfer_id, ok=True) == [Assign(K, b3, b, 3)]

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dask_hoplite.core.hosts import host_of
 from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
 
 
@@ -123,4 +124,24 @@ def test_colocated_order_is_a_permutation_with_no_more_crossings(n, k, workers, 
     # every worker's inputs beyond its first cost no crossing, when the tree
     # is a single chain (each node has one child)
     if all(len(plan.children(i)) <= 1 for i in range(n)):
+        assert cross_edges(plan.parent, addresses, order) == len(set(addresses)) - 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 30), k=st.integers(1, 12), data=st.data())
+def test_colocated_order_keeps_a_hosts_workers_together(n, k, data):
+    """Several workers per host: a host's inputs are reduced among its own
+    workers before one stream leaves its NIC (on a chain: hosts - 1 NIC
+    crossings in all), and never more NIC crossings than the given order."""
+    plan = plan_reduce_tree(n, k)
+    pool = [f"tcp://10.0.0.{h}:{4000 + w}" for h in range(4) for w in range(3)]
+    addresses = data.draw(st.lists(st.sampled_from(pool), min_size=n, max_size=n))
+    root_input = data.draw(st.integers(0, n - 1))
+    order = colocated_order(plan.parent, addresses, root_input)
+    hosts = [host_of(a) for a in addresses]
+    naive = list(range(n))
+    naive[plan.root], naive[root_input] = naive[root_input], naive[plan.root]
+    assert cross_edges(plan.parent, hosts, order) <= cross_edges(plan.parent, hosts, naive)
+    if all(len(plan.children(i)) <= 1 for i in range(n)):
+        assert cross_edges(plan.parent, hosts, order) == len(set(hosts)) - 1
         assert cross_edges(plan.parent, addresses, order) == len(set(addresses)) - 1

@@ -13,20 +13,25 @@ The rules follow Hoplite (Zhuang et al., SIGCOMM 2021):
   has a byte: it serves later receivers from its partially filled buffer, so
   receivers that arrive together form a pipelined chain and late receivers
   attach wherever there is spare upload capacity.
-* A holder streams one key to at most ``fanout`` receivers at once.
+* Planning is per host, since workers of one host share one NIC (Dask often
+  runs several workers per machine). A key enters a host once over the
+  network: a receiver whose host already has a copy, complete or partial,
+  takes it from there (over loopback) and waits for one of them rather than
+  pull the key across the NIC a second time.
+* A host's NIC carries at most ``fanout`` streams of one key to other hosts
+  at once; besides, each holder streams to at most ``fanout`` receivers on
+  its own host.
 * Idle complete copies are preferred; then the partial copy closest to a
   complete one (most bytes, by construction); a partial copy downstream of the
-  requester is never chosen (it depends on the requester: deadlock). Among
-  equals, and before any remote holder, a holder on the receiver's own host
-  (as Dask prefers local holders): its bytes need not cross a NIC.
+  requester is never chosen (it depends on the requester: deadlock).
 * With every holder saturated, the request queues until capacity frees; the
   senders it gave up on stay excluded when it is served.
 * When Dask loses every complete copy (its holders died), the partial copies
   keep streaming from one another and stay on record: the recomputed copy
   and the receivers that come back join the tree that is still running.
 
-Copies are keyed by worker address, not host: Dask often runs several workers
-per host.
+Copies are keyed by worker address; hosts come from the addresses
+(:func:`dask_hoplite.core.hosts.host_of`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from dask.typing import Key  # noqa: E402
+
+from dask_hoplite.core.hosts import host_of
 
 
 @dataclass(frozen=True)
@@ -68,17 +75,6 @@ class Missing:
 Decision = Assign | Queued | Missing
 
 
-def host_of(address: str) -> str:
-    """The host part of a comm address (``tcp://10.0.0.1:8786`` -> ``10.0.0.1``,
-    ``tcp://[::1]:8786`` -> ``::1``), as Dask's ``get_address_host``."""
-    scheme, _, loc = address.rpartition("://")
-    if scheme == "inproc":  # inproc://10.0.0.1/<pid>/<n>
-        return loc.split("/", 1)[0]
-    if loc.startswith("["):
-        return loc[1 : loc.index("]")]
-    return loc.rsplit(":", 1)[0] if ":" in loc else loc
-
-
 @dataclass
 class Transfer:
     transfer_id: int
@@ -102,6 +98,10 @@ class ObjectRecord:
     incoming: dict[str, Transfer] = field(default_factory=dict)
     #: Active outgoing streams per sender address.
     uploads: dict[str, int] = field(default_factory=dict)
+    #: Active streams leaving each host for another host (per NIC).
+    nic_uploads: dict[str, int] = field(default_factory=dict)
+    #: Active streams per sender address to receivers on the sender's host.
+    local_uploads: dict[str, int] = field(default_factory=dict)
     #: Receivers waiting for capacity, in arrival order, each with the
     #: senders it gave up on (which stay excluded when it is served later).
     queue: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -284,33 +284,45 @@ class ObjectDirectory:
         # A holder that is itself still receiving serves from its partial
         # buffer: it counts as partial (and may depend on the requester).
         copies = rec.copies() - {receiver} - rec.incoming.keys() - exclude
-        partial = {
-            r: t
+        streaming = [
+            t
             for r, t in rec.incoming.items()
             if r != receiver and r not in exclude and t.sender not in exclude
-        }
-        if not copies and not partial:
-            return Missing(rec.key, receiver)
-
-        # Holders on the receiver's host first (as Dask prefers them): their
-        # bytes need not cross a NIC.
-        host = host_of(receiver)
-
-        def remote(a: str) -> bool:
-            return host_of(a) != host
-
-        idle = [a for a in copies if rec.uploads.get(a, 0) < self.fanout]
-        if idle:
-            sender = min(idle, key=lambda a: (remote(a), rec.uploads.get(a, 0), a))
-            return self._start(rec, sender, receiver, depth=1)
-
-        candidates = [
-            t
-            for r, t in partial.items()
-            if rec.uploads.get(r, 0) < self.fanout and not self._depends_on(rec, r, receiver)
         ]
+        if not copies and not streaming:
+            return Missing(rec.key, receiver)
+        partial = [t for t in streaming if not self._depends_on(rec, t.receiver, receiver)]
+        host = host_of(receiver)
+        local_copies = [a for a in copies if host_of(a) == host]
+        local_partial = [t for t in partial if host_of(t.receiver) == host]
+        if local_copies or local_partial:
+            # The key is on this host already, or on its way in: take it from
+            # there, or wait for it; never across the NIC a second time.
+            return self._pick(rec, receiver, local_copies, local_partial, rec.local_uploads)
+        return self._pick(rec, receiver, list(copies), partial, rec.nic_uploads, by_host=True)
+
+    def _pick(
+        self,
+        rec: ObjectRecord,
+        receiver: str,
+        copies: list[str],
+        partial: list[Transfer],
+        busy: dict[str, int],
+        by_host: bool = False,
+    ) -> Decision:
+        """The best sender with capacity left, counted in ``busy`` per sender
+        address (or per sender host if ``by_host``)."""
+
+        def free(a: str) -> bool:
+            return busy.get(host_of(a) if by_host else a, 0) < self.fanout
+
+        idle = [a for a in copies if free(a)]
+        if idle:
+            sender = min(idle, key=lambda a: (rec.uploads.get(a, 0), a))
+            return self._start(rec, sender, receiver, depth=1)
+        candidates = [t for t in partial if free(t.receiver)]
         if candidates:
-            best = min(candidates, key=lambda t: (remote(t.receiver), t.depth, t.transfer_id))
+            best = min(candidates, key=lambda t: (t.depth, t.transfer_id))
             return self._start(rec, best.receiver, receiver, depth=best.depth + 1)
         return Queued(rec.key, receiver)
 
@@ -324,6 +336,11 @@ class ObjectDirectory:
         rec.incoming[receiver] = t
         n = rec.uploads.get(sender, 0) + 1
         rec.uploads[sender] = n
+        if host_of(sender) == host_of(receiver):
+            rec.local_uploads[sender] = rec.local_uploads.get(sender, 0) + 1
+        else:
+            h = host_of(sender)
+            rec.nic_uploads[h] = rec.nic_uploads.get(h, 0) + 1
         rec.peak_uploads = max(rec.peak_uploads, n)
         rec.edges.append((sender, receiver))
         if len(rec.edges) > self.max_edges:
@@ -334,11 +351,12 @@ class ObjectDirectory:
         self.transfers.pop(t.transfer_id, None)
         if rec.incoming.get(t.receiver) is t:
             del rec.incoming[t.receiver]
-        n = rec.uploads.get(t.sender, 0) - 1
-        if n > 0:
-            rec.uploads[t.sender] = n
+        h = host_of(t.sender)
+        _decrement(rec.uploads, t.sender)
+        if h == host_of(t.receiver):
+            _decrement(rec.local_uploads, t.sender)
         else:
-            rec.uploads.pop(t.sender, None)
+            _decrement(rec.nic_uploads, h)
 
     def _drain(self, rec: ObjectRecord) -> list[Decision]:
         """Serve queued receivers now that something changed."""
@@ -356,3 +374,11 @@ class ObjectDirectory:
     def _maybe_drop(self, rec: ObjectRecord) -> None:
         if not (rec.complete or rec.holders or rec.incoming or rec.queue):
             self.objects.pop(rec.key, None)
+
+
+def _decrement(counts: dict[str, int], name: str) -> None:
+    n = counts.get(name, 0) - 1
+    if n > 0:
+        counts[name] = n
+    else:
+        counts.pop(name, None)

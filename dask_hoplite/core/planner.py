@@ -26,6 +26,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dask_hoplite.core.hosts import host_of
+
 
 def max_chain_length(nbytes: int, bandwidth: float, latency: float) -> int:
     """Hoplite's ``k``: how many hops a chain may have before the per-hop
@@ -163,11 +165,17 @@ def colocated_order(
     worker, or a lost input recomputed next to another) sends both, 2 S
     through one NIC, and bounds the whole reduce at 2 S/B.
 
+    Workers of one host are kept together the same way, after the inputs of
+    one worker: an edge between two workers of a host crosses loopback, not
+    the NIC.
+
     Greedy, top-down: a child takes an input of its parent's worker while
-    one is left, else one of the worker with the most inputs left (whose
+    one is left, else one of another worker of the parent's host, else one
+    of the worker with the most inputs left (whose
     others can then follow into its own children); tried with the children
     of each node taken largest subtree first and smallest first, and kept
-    only if it crosses fewer NICs than the inputs in their given order."""
+    only if it crosses fewer NICs (then fewer workers) than the inputs in
+    their given order."""
     n = len(parent)
     if len(addresses) != n or not 0 <= root_input < n:
         raise ValueError(f"{n} nodes, {len(addresses)} inputs, root input {root_input}")
@@ -209,7 +217,12 @@ def _fill(
         for c in children[node]:
             addr = addresses[order[node]]
             if addr not in left:
-                addr = max(left, key=lambda a: (len(left[a]), -left[a][0]))
+                # Another worker of the parent's host, else the worker with
+                # the most inputs left.
+                addr = max(
+                    left,
+                    key=lambda a: (host_of(a) == host_of(addr), len(left[a]), -left[a][0]),
+                )
             order[c] = left[addr].pop(0)
             if not left[addr]:
                 del left[addr]
@@ -217,10 +230,15 @@ def _fill(
     return order
 
 
-def _crossings(parent: Sequence[int | None], addresses: Sequence[str], order: list[int]) -> int:
-    """Tree edges whose two inputs live on different workers."""
-    return sum(
-        1
-        for c, p in enumerate(parent)
-        if p is not None and addresses[order[c]] != addresses[order[p]]
+def _crossings(
+    parent: Sequence[int | None], addresses: Sequence[str], order: list[int]
+) -> tuple[int, int]:
+    """Tree edges whose two inputs live on different hosts (they cross NICs),
+    and on different workers (they cross at least a process boundary)."""
+    edges = [
+        (addresses[order[c]], addresses[order[p]]) for c, p in enumerate(parent) if p is not None
+    ]
+    return (
+        sum(1 for a, b in edges if host_of(a) != host_of(b)),
+        sum(1 for a, b in edges if a != b),
     )
