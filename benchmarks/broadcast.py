@@ -29,7 +29,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,6 +55,9 @@ class Result:
     cpu_percent: float
     ok: bool
     note: str = ""
+    workers_per_host: int = 1
+    #: Bytes each worker host's NIC received in the last rep, in host order.
+    host_rx_bytes: list[int] = field(default_factory=list)
 
     @property
     def ratio_bound(self) -> float:
@@ -102,6 +105,8 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
         workers = ec.worker_addresses(client)
         src, receivers = workers[0], workers[1:]
         src_role = "w0"
+        roles = [f"w{i}" for i in range(ec.n_workers)]
+        host_rx: list[int] = []
         pids = ec.pids()
         # Rep 0 is cold (fresh connections, memory faulted in for the first
         # time); the table's `seconds` is the median of the warm reps after it.
@@ -110,6 +115,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
             wait(x)
             expected = client.submit(fingerprint, x, workers=[src], pure=False).result()
             tx0, _ = ec.nic_bytes(src_role)
+            rx0 = [ec.nic_bytes(r)[1] for r in roles]
             c0 = cpu_seconds(pids)
             t0 = time.perf_counter()
             if method.endswith("replicate"):
@@ -143,6 +149,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
                 dt = time.perf_counter() - t0
             c1 = cpu_seconds(pids)
             tx1, _ = ec.nic_bytes(src_role)
+            host_rx = [ec.nic_bytes(r)[1] - a for r, a in zip(roles, rx0, strict=True)]
             results = client.gather(got)
             if any(tuple(r) != tuple(expected) for r in results):
                 ok, note = False, "WRONG RESULT"
@@ -166,6 +173,8 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
         statistics.median(cpu) if cpu else 0.0,
         ok,
         note,
+        ec.workers_per_host,
+        host_rx,
     )
 
 

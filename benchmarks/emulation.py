@@ -96,6 +96,8 @@ class EmulatedCluster:
         MTU of every link (1500 like most clusters; 9000 for jumbo frames).
     subnet:
         First three octets of the private /24 used inside the namespaces.
+    workers_per_host:
+        Dask worker processes on each worker host (they share its NIC).
     """
 
     def __init__(
@@ -104,13 +106,17 @@ class EmulatedCluster:
         rate_mbit: float = 1000,
         mtu: int = 1500,
         subnet: str = "10.213.77",
+        workers_per_host: int = 1,
     ) -> None:
         if not 1 <= n_workers <= 200:
             raise ValueError(f"n_workers must be in [1, 200], got {n_workers}")
+        if not 1 <= workers_per_host <= 16:
+            raise ValueError(f"workers_per_host must be in [1, 16], got {workers_per_host}")
         ok, why = available()
         if not ok:
             raise RuntimeError(f"cannot build an emulated cluster: {why}")
-        self.n_workers = n_workers
+        self.n_workers = n_workers  # worker hosts
+        self.workers_per_host = workers_per_host
         self.rate_mbit = rate_mbit
         self.mtu = mtu
         self.subnet = subnet
@@ -226,7 +232,8 @@ class EmulatedCluster:
         log_dir: str | None = None,
         timeout: float = 60,
     ) -> str:
-        """Scheduler on the ``sched`` host, one worker process per worker host."""
+        """Scheduler on the ``sched`` host, ``workers_per_host`` worker
+        processes on each worker host."""
         sched = self.hosts["sched"]
         self.scheduler_address = f"tcp://{sched.address}:8786"
         argv = [
@@ -246,33 +253,35 @@ class EmulatedCluster:
         self.spawn("sched", argv, env, logp("scheduler"))
         for i in range(self.n_workers):
             role = f"w{i}"
-            self.spawn(
-                role,
-                [
-                    sys.executable,
-                    "-m",
-                    "distributed.cli.dask_worker",
-                    self.scheduler_address,
-                    "--host",
-                    self.hosts[role].address,
-                    "--nthreads",
-                    str(nthreads),
-                    "--no-nanny",
-                    "--name",
+            for j in range(self.workers_per_host):
+                name = role if self.workers_per_host == 1 else f"{role}-{j}"
+                self.spawn(
                     role,
-                    "--dashboard-address",
-                    ":0",
-                    "--memory-limit",
-                    "0",
-                ],
-                env,
-                logp(role),
-            )
+                    [
+                        sys.executable,
+                        "-m",
+                        "distributed.cli.dask_worker",
+                        self.scheduler_address,
+                        "--host",
+                        self.hosts[role].address,
+                        "--nthreads",
+                        str(nthreads),
+                        "--no-nanny",
+                        "--name",
+                        name,
+                        "--dashboard-address",
+                        ":0",
+                        "--memory-limit",
+                        "0",
+                    ],
+                    env,
+                    logp(name),
+                )
         code = (
             "import sys, time\n"
             "from distributed import Client\n"
             f"c = Client({self.scheduler_address!r}, timeout={timeout})\n"
-            f"c.wait_for_workers({self.n_workers}, timeout={timeout})\n"
+            f"c.wait_for_workers({self.n_workers * self.workers_per_host}, timeout={timeout})\n"
             "c.close()\n"
         )
         self.run_in_client([sys.executable, "-c", code], timeout=timeout + 30)
@@ -298,11 +307,14 @@ class EmulatedCluster:
             self._kill(h)
 
     def worker_addresses(self, client: Any) -> list[str]:
-        """The Dask worker addresses in host order: element i runs on host ``w{i}``."""
-        host_of = {h.address: role for role, h in self.hosts.items()}
-        addrs = worker_addresses(client)
-        by_role = {host_of[a.split("://")[-1].rsplit(":", 1)[0]]: a for a in addrs}
-        return [by_role[f"w{i}"] for i in range(self.n_workers)]
+        """The Dask worker addresses in host order: with one worker per host,
+        element i runs on host ``w{i}``; with k per host, elements
+        ``i*k .. i*k+k-1`` do."""
+        role_of = {h.address: role for role, h in self.hosts.items()}
+        by_role: dict[str, list[str]] = {}
+        for a in sorted(worker_addresses(client)):
+            by_role.setdefault(role_of[a.split("://")[-1].rsplit(":", 1)[0]], []).append(a)
+        return [a for i in range(self.n_workers) for a in by_role[f"w{i}"]]
 
     def pids(self) -> list[int]:
         """PIDs of the Dask processes (children of ``ip netns exec``)."""

@@ -123,12 +123,12 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
     ingress: list[int] = []
     cpu: list[float] = []
     ok, note = True, ""
-    n = ec.n_workers
-    roles = [f"w{i}" for i in range(n)]
+    roles = [f"w{i}" for i in range(ec.n_workers)]
     with Client(ec.scheduler_address, timeout=60) as client:
         if method.startswith("hoplite"):
             client.register_plugin(dh.Hoplite())
         workers = ec.worker_addresses(client)
+        n = len(workers)  # one input per worker process
         pids = ec.pids()
         expected = float(n * (n + 1) / 2)
         for _rep in range(reps + 1):  # rep 0 is cold
@@ -202,7 +202,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
     warm = times[1:] or times
     return Result(
         method,
-        n,
+        ec.n_workers,
         size,
         ec.rate_mbit,
         statistics.median(warm),
@@ -212,6 +212,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
         statistics.median(cpu),
         ok,
         note,
+        ec.workers_per_host,
     )
 
 
