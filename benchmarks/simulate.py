@@ -1,0 +1,230 @@
+"""Flow-level simulation of hoplite's broadcast and reduce (the real directory
+and planner, :mod:`benchmarks.simulator`), calibrated against the emulated
+cluster, then run where the emulation cannot go: 1,024 workers at 10 Gbit/s.
+
+    # calibrate on measurements and print predicted against measured
+    python benchmarks/simulate.py --calibrate benchmarks/results/scaling.json
+
+    # the 1,024-worker table (calibrated on the default measurement files first)
+    python benchmarks/simulate.py --out benchmarks/results/simulation-1024
+
+Scenarios for a broadcast from one worker to all others and a reduce of one
+object per worker: (a) every receiver / input ready at t=0; (b) receivers
+arriving (inputs becoming ready) uniformly at random over ``--spread`` seconds;
+(c) ``--fail`` of the workers (not the source or the root), chosen at random,
+dying at random times within the middle 80% of the run (a). Each is reported in
+seconds and as a ratio to S/B; (b) also to (last arrival + S/B), since no
+receiver can finish before it arrived plus S/B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dask.utils import format_bytes, parse_bytes  # noqa: E402
+
+from benchmarks.simulator import calibrate  # noqa: E402
+from benchmarks.simulator.broadcast import Outcome, dask_broadcast, hoplite_broadcast  # noqa: E402
+from benchmarks.simulator.params import Cluster, Overheads, address  # noqa: E402
+from benchmarks.simulator.reduce import HopliteReduce, dask_reduce  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEFAULT_MEASUREMENTS = [
+    os.path.join(RESULTS, f)
+    for f in ("broadcast.json", "broadcast-run2.json", "reduce.json", "reduce-256MiB.json")
+]
+
+
+@dataclass
+class Row:
+    collective: str
+    method: str
+    scenario: str
+    n_workers: int
+    size: float
+    gbit: float
+    seconds: float
+    bound_seconds: float  # S/B
+    ratio_bound: float = 0.0
+    last_arrival: float = 0.0
+    ratio_arrival_bound: float = 0.0  # seconds / (last arrival + S/B)
+    depth: int = 0  # longest relay chain (broadcast) / tree height (reduce)
+    resumes: int = 0  # broadcast: streams resumed; reduce: whole-tree restarts
+    repairs: int = 0  # reduce nodes replaced
+    events: int = 0
+    wall_seconds: float = 0.0
+
+
+def calibration_table(paths: list[str]) -> Overheads:
+    data = calibrate.load(paths)
+    if not data:
+        raise SystemExit(f"no modelled entries (hoplite/dask broadcast, reduce) in {paths}")
+    best, fitted = calibrate.fit(data)
+    print(
+        f"fitted {', '.join(fitted)}: efficiency {best.efficiency:.3f}, "
+        f"hop latency {best.hop_latency * 1e3:.2f} ms, setup {best.setup * 1e3:.2f} ms"
+        + ("" if "setup" in fitted else " (fixed: one cluster size only)")
+    )
+    hdr = (
+        f"{'file':<22} {'collective':<10} {'op':<10} {'N':>3} {'S':>10} {'Mbit':>5} "
+        f"{'measured':>9} {'predicted':>9} {'error':>7}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in calibrate.compare(data, best):
+        m = r.m
+        print(
+            f"{m.source[:22]:<22} {m.collective:<10} {m.op:<10} {m.n_workers:>3} "
+            f"{format_bytes(m.size):>10} {m.rate_mbit:>5.0f} {m.seconds:>9.3f} "
+            f"{r.predicted:>9.3f} {r.error:>+6.1f}%"
+        )
+    return best
+
+
+def _row(
+    collective: str, method: str, scenario: str, n: int, size: float, cluster: Cluster
+) -> tuple[Row, float]:
+    bound = size / cluster.bandwidth
+    row = Row(collective, method, scenario, n, size, cluster.bandwidth * 8 / 1e9, 0.0, bound)
+    return row, time.perf_counter()
+
+
+def _fill(row: Row, out: Outcome, t0: float, last_arrival: float = 0.0) -> Row:
+    row.seconds = out.seconds
+    row.ratio_bound = out.seconds / row.bound_seconds
+    row.last_arrival = last_arrival
+    row.ratio_arrival_bound = out.seconds / (last_arrival + row.bound_seconds)
+    row.depth, row.resumes, row.repairs, row.events = (
+        out.depth,
+        out.resumes,
+        out.repairs,
+        out.events,
+    )
+    row.wall_seconds = time.perf_counter() - t0
+    return row
+
+
+def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
+    n, size = args.workers, args.size
+    cluster = Cluster(args.gbit * 1e9 / 8, overheads)
+    rng = random.Random(args.seed)
+    workers = [address(i) for i in range(n)]
+    arrivals = {w: rng.uniform(0, args.spread) for w in workers}
+    arrivals[workers[0]] = 0.0  # the broadcast's source holds the object at t=0
+    n_fail = max(1, round(args.fail * n))
+    rows = []
+
+    def runs(collective: str, run, victims_from: list[str]) -> None:  # noqa: ANN001
+        row, t0 = _row(collective, "hoplite", "a: all at t=0", n, size, cluster)
+        base = _fill(row, run(None, None), t0)
+        rows.append(base)
+        row, t0 = _row(
+            collective, "hoplite", f"b: arrivals over {args.spread:g}s", n, size, cluster
+        )
+        rows.append(_fill(row, run(arrivals, None), t0, max(arrivals.values())))
+        victims = rng.sample(victims_from, n_fail)
+        fails = {w: rng.uniform(0.1, 0.9) * base.seconds for w in victims}
+        label = f"c: {n_fail} fail ({args.fail:.0%})"
+        row, t0 = _row(collective, "hoplite", label, n, size, cluster)
+        rows.append(_fill(row, run(None, fails), t0))
+
+    runs(
+        "broadcast",
+        lambda arr, fails: hoplite_broadcast(cluster, n, size, arr, fails),
+        workers[1:],
+    )
+    root = address(HopliteReduce(cluster, n, size).tree.root)
+    runs(
+        "reduce",
+        lambda arr, fails: HopliteReduce(cluster, n, size, seed=args.seed).run(arr, fails),
+        [w for w in workers if w != root],
+    )
+    if args.dask:
+        row, t0 = _row("broadcast", "dask", "a: all at t=0", n, size, cluster)
+        rows.append(_fill(row, dask_broadcast(cluster, n, size), t0))
+        row, t0 = _row("reduce", "dask-task", "a: all at t=0", n, size, cluster)
+        rows.append(_fill(row, dask_reduce(cluster, n, size), t0))
+    return rows
+
+
+def print_rows(rows: list[Row]) -> None:
+    hdr = (
+        f"{'collective':<10} {'method':<9} {'scenario':<22} {'seconds':>8} {'x S/B':>7} "
+        f"{'x (last+S/B)':>12} {'depth':>5} {'resumes':>7} {'repairs':>7} {'wall s':>6}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        arr = f"{r.ratio_arrival_bound:.2f}" if r.last_arrival else "-"
+        print(
+            f"{r.collective:<10} {r.method:<9} {r.scenario:<22} {r.seconds:>8.3f} "
+            f"{r.ratio_bound:>7.2f} {arr:>12} {r.depth:>5} {r.resumes:>7} {r.repairs:>7} "
+            f"{r.wall_seconds:>6.1f}"
+        )
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hop = [r for r in rows if r.method == "hoplite"]
+    labels = [f"{r.collective}\n{r.scenario.split(':')[0]}" for r in hop]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(range(len(hop)), [r.ratio_bound for r in hop], color="tab:blue", label="x S/B")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(1.5, color="tab:red", lw=0.8, ls="--", label="1.5x target")
+    ax.set_xticks(range(len(hop)), labels, fontsize=8)
+    ax.set_ylabel("time / (S/B)")
+    r0 = rows[0]
+    ax.set_title(
+        f"simulated hoplite, {r0.n_workers} workers, {format_bytes(r0.size)}, {r0.gbit:g} Gbit/s"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calibrate", nargs="+", metavar="RESULTS.json", help="fit and compare only")
+    p.add_argument("--measurements", nargs="+", default=DEFAULT_MEASUREMENTS)
+    p.add_argument("--workers", type=int, default=1024)
+    p.add_argument("--size", type=parse_bytes, default=int(1e9))
+    p.add_argument("--gbit", type=float, default=10.0)
+    p.add_argument("--spread", type=float, default=1.0, help="arrivals over this many seconds")
+    p.add_argument("--fail", type=float, default=0.01, help="share of workers that die")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hop-latency", type=float, help="seconds; overrides the calibration")
+    p.add_argument("--no-dask", dest="dask", action="store_false")
+    p.add_argument("--out", default=os.path.join(RESULTS, "simulation-1024"))
+    args = p.parse_args(argv)
+    if args.calibrate:
+        calibration_table(args.calibrate)
+        return
+    overheads = calibration_table([m for m in args.measurements if os.path.exists(m)])
+    if args.hop_latency is not None:
+        overheads = Overheads(overheads.efficiency, args.hop_latency, overheads.setup)
+    print(
+        f"\n{args.workers} workers, {format_bytes(args.size)}, {args.gbit:g} Gbit/s, "
+        f"overheads {overheads}"
+    )
+    rows = scenarios(args, overheads)
+    print_rows(rows)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"overheads": asdict(overheads), "rows": [asdict(r) for r in rows]}, f, indent=1)
+    plot(rows, args.out + ".png")
+    print(f"wrote {args.out}.json and {args.out}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Broadcast of one object from one worker to many, driven by the real
+:class:`~dask_hoplite.core.directory.ObjectDirectory`, and Dask's default
+(every receiver pulls a whole copy from the one holder) for comparison.
+
+Hoplite: each receiver calls ``request`` when it arrives; an ``Assign`` starts a
+flow from the sender's buffer (complete or partial: a partial sender limits the
+flow, which stays a block behind it) after the setup latency; a completed flow
+is reported with ``transfer_finished`` and Dask counts the receiver as a holder.
+A worker that dies is reported with ``worker_removed``; the receivers it was
+sending to ask again with it excluded and resume from the byte they reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dask_hoplite.core.directory import Assign, Decision, Missing, ObjectDirectory
+
+from benchmarks.simulator.engine import Engine
+from benchmarks.simulator.network import Buffer, Flow, Network
+from benchmarks.simulator.params import Cluster, address
+
+KEY = "x"
+
+
+@dataclass
+class Outcome:
+    """What one simulated collective did."""
+
+    seconds: float  # from t=0 to the last surviving receiver's last byte
+    finish: dict[str, float] = field(default_factory=dict)
+    resumes: int = 0  # streams restarted after a sender died
+    bytes_kept: float = 0.0  # bytes resumed receivers did not need again
+    repairs: int = 0  # reduce nodes replaced
+    events: int = 0
+    depth: int = 0  # longest chain of relays (broadcast) / tree height (reduce)
+
+
+class HopliteBroadcast:
+    """One broadcast from worker 0 to workers 1..n-1."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        n_workers: int,
+        size: float,
+        fanout: int = 1,
+    ) -> None:
+        self.cluster = cluster
+        self.size = size
+        self.net = Network(cluster.rate)
+        self.engine = Engine(self.net)
+        self.directory = ObjectDirectory(fanout=fanout, max_edges=0)
+        self.source = address(0)
+        self.receivers = [address(i) for i in range(1, n_workers)]
+        self.buffers = {a: Buffer(size) for a in [self.source, *self.receivers]}
+        self.buffers[self.source].pos = size
+        self.holders = {self.source}  # Dask's complete copies
+        self.flows: dict[int, Flow] = {}  # by transfer id
+        self.dead: set[str] = set()
+        self.exclude: dict[str, set[str]] = {}
+        self.outcome = Outcome(0.0)
+
+    def run(
+        self,
+        arrivals: Mapping[str, float] | None = None,
+        failures: Mapping[str, float] | None = None,
+    ) -> Outcome:
+        for r in self.receivers:
+            t = 0.0 if arrivals is None else arrivals[r]
+            self.engine.at(t, lambda now, r=r: self._request(r, now))
+        for w, t in (failures or {}).items():
+            self.engine.at(t, lambda now, w=w: self._fail(w, now))
+        self.engine.run()
+        live = [r for r in self.receivers if r not in self.dead]
+        missing = [r for r in live if r not in self.outcome.finish]
+        if missing:
+            raise RuntimeError(f"{len(missing)} receivers never completed, e.g. {missing[0]}")
+        self.outcome.seconds = max(self.outcome.finish[r] for r in live)
+        self.outcome.events = self.engine.events
+        return self.outcome
+
+    def _request(self, receiver: str, now: float) -> None:
+        if receiver in self.dead:
+            return
+        d = self.directory.request(
+            KEY, receiver, self.holders, exclude=self.exclude.get(receiver, ())
+        )
+        self._act([d], now)
+
+    def _act(self, decisions: Sequence[Decision], now: float) -> None:
+        for d in decisions:
+            if isinstance(d, Missing):
+                raise RuntimeError(f"{d.receiver} found no copy: the source died?")
+            if not isinstance(d, Assign):
+                continue  # Queued: the directory assigns it when capacity frees
+            sender = self.buffers[d.sender]
+            flow = Flow(
+                d.sender,
+                d.receiver,
+                self.buffers[d.receiver],
+                sources=(sender,),
+                lag=self.cluster.lag(self.size),
+                start=now + self.cluster.overheads.setup,
+                on_done=lambda f, t, tid=d.transfer_id: self._done(tid, f, t),
+            )
+            self.flows[d.transfer_id] = self.net.add(flow)
+            depth = len(list(self.directory.upstream(KEY, d.receiver)))
+            self.outcome.depth = max(self.outcome.depth, depth)
+
+    def _done(self, tid: int, flow: Flow, now: float) -> None:
+        del self.flows[tid]
+        self.outcome.finish[flow.dst] = now
+        self.holders.add(flow.dst)
+        self._act(self.directory.transfer_finished(tid, ok=True), now)
+
+    def _fail(self, worker: str, now: float) -> None:
+        """``worker`` dies: its streams break, its receivers resume elsewhere."""
+        self.dead.add(worker)
+        self.holders.discard(worker)
+        orphans = [f.dst for f in self.net.remove_host(worker) if f.src == worker]
+        self.flows = {t: f for t, f in self.flows.items() if worker not in (f.src, f.dst)}
+        self._act(self.directory.worker_removed(worker), now)
+        for r in orphans:
+            self.outcome.resumes += 1
+            self.outcome.bytes_kept += self.buffers[r].pos
+            self.exclude.setdefault(r, set()).add(worker)
+            # The broken stream is seen at once (a TCP error); asking again
+            # costs the setup latency the Assign adds.
+            self._request(r, now)
+
+
+def hoplite_broadcast(
+    cluster: Cluster,
+    n_workers: int,
+    size: float,
+    arrivals: Mapping[str, float] | None = None,
+    failures: Mapping[str, float] | None = None,
+    fanout: int = 1,
+) -> Outcome:
+    return HopliteBroadcast(cluster, n_workers, size, fanout).run(arrivals, failures)
+
+
+def dask_broadcast(
+    cluster: Cluster,
+    n_workers: int,
+    size: float,
+    concurrency: int = 10,
+    arrivals: Mapping[str, float] | None = None,
+) -> Outcome:
+    """Dask's default: every receiver fetches a whole copy from worker 0, which
+    serves ``concurrency`` (``distributed.worker.connections.incoming``) at once;
+    the others wait for a slot (Dask's busy/retry loop, taken as instant)."""
+    net = Network(cluster.rate)
+    engine = Engine(net)
+    source = Buffer(size, size)
+    waiting: list[str] = []
+    serving: set[str] = set()
+    out = Outcome(0.0)
+
+    def start(r: str, now: float) -> None:
+        if len(serving) >= concurrency:
+            waiting.append(r)
+            return
+        serving.add(r)
+        net.add(
+            Flow(
+                address(0),
+                r,
+                Buffer(size),
+                sources=(source,),
+                start=now + cluster.overheads.setup,
+                on_done=done,
+            )
+        )
+
+    def done(f: Flow, now: float) -> None:
+        serving.discard(f.dst)
+        out.finish[f.dst] = now
+        if waiting:
+            start(waiting.pop(0), now)
+
+    for i in range(1, n_workers):
+        r = address(i)
+        engine.at(0.0 if arrivals is None else arrivals[r], lambda now, r=r: start(r, now))
+    engine.run()
+    out.seconds = max(out.finish.values())
+    out.events = engine.events
+    return out

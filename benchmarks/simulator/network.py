@@ -1,0 +1,249 @@
+"""Flow-level network: hosts with full-duplex NICs, max-min fair sharing, and
+pipelined flows that cannot overtake the bytes their sender has.
+
+A :class:`Buffer` is one object landing on one worker, in order: its first
+``pos`` bytes are valid. A :class:`Flow` writes into one buffer from a sending
+host to a receiving host and forwards bytes that one or more *source* buffers
+already hold: a relay of a broadcast chain forwards its own partially filled
+buffer; a reduce node forwards the sum of its children's streams, so its
+outgoing flow reads all of their buffers. A flow stays ``lag`` bytes behind
+every source that is not complete yet (a relay forwards a block once all of it
+has landed, and each hop adds latency), so a receiver is never ahead of its
+sender.
+
+Rates are max-min fair over every host's uplink and downlink (progressive
+filling). A flow that has caught up with a source can go no faster than the
+flow filling that source: progressive filling freezes such a *follower* the
+moment its leader is frozen. Rates are constant between events, so the time of
+the next event (a flow starts, completes, catches up with a source, or is
+unblocked by one) is computed exactly; nothing is simulated block by block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+#: Positions within this many bytes count as equal (rounding of rate * time).
+EPS = 1.0
+INF = math.inf
+
+
+@dataclass(eq=False)
+class Buffer:
+    """One object's bytes arriving on one worker, in order."""
+
+    size: float
+    pos: float = 0.0
+    #: The flow writing into this buffer now (None: nothing arrives).
+    inflow: Flow | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.pos >= self.size - EPS
+
+    def filling_rate(self) -> float:
+        return self.inflow.rate if self.inflow is not None else 0.0
+
+
+@dataclass(eq=False)
+class Flow:
+    """A stream from host ``src`` into ``into`` on host ``dst``."""
+
+    src: str
+    dst: str
+    into: Buffer
+    #: Buffers whose bytes this flow forwards (empty: a complete local copy).
+    sources: tuple[Buffer, ...] = ()
+    #: Bytes a source must hold beyond what this flow has sent.
+    lag: float = 0.0
+    #: When the first byte may leave (a decision plus its setup latency).
+    start: float = 0.0
+    #: Called with the flow and the time when the buffer is complete.
+    on_done: Callable[[Flow, float], None] | None = None
+    rate: float = 0.0
+    #: Bytes this flow carried (a resumed buffer's earlier bytes excluded).
+    carried: float = 0.0
+    #: Sources that bound it now (filled in by the rate computation).
+    leaders: list[Buffer] = field(default_factory=list)
+
+    def cap(self) -> float:
+        """The furthest byte this flow may have sent now."""
+        c = self.into.size
+        for b in self.sources:
+            if not b.complete:
+                c = min(c, b.pos - self.lag)
+        return c
+
+
+class Network:
+    """Hosts with per-direction capacities (bytes/s) and the flows on them."""
+
+    def __init__(self, default_capacity: float, local_capacity: float = 1e12) -> None:
+        self.default_capacity = default_capacity
+        #: Rate of a stream between two workers of one host (memory, not NIC).
+        self.local_capacity = local_capacity
+        self.up: dict[str, float] = {}
+        self.down: dict[str, float] = {}
+        self.flows: dict[Flow, None] = {}  # insertion-ordered set: deterministic
+
+    def set_capacity(self, host: str, up: float, down: float) -> None:
+        self.up[host], self.down[host] = up, down
+
+    def add(self, flow: Flow) -> Flow:
+        flow.into.inflow = flow
+        self.flows[flow] = None
+        return flow
+
+    def remove(self, flow: Flow) -> None:
+        self.flows.pop(flow, None)
+        flow.rate = 0.0
+        if flow.into.inflow is flow:
+            flow.into.inflow = None
+
+    def remove_host(self, host: str) -> list[Flow]:
+        """Drop every flow from or to ``host`` (it died); returns them."""
+        gone = [f for f in self.flows if host in (f.src, f.dst)]
+        for f in gone:
+            self.remove(f)
+        return gone
+
+    # ----------------------------------------------------------------- time
+
+    def advance(self, dt: float) -> None:
+        if dt <= 0:
+            return
+        for f in self.flows:
+            if f.rate > 0:
+                step = min(f.rate * dt, f.into.size - f.into.pos)
+                f.into.pos += step
+                f.carried += step
+
+    def finished(self) -> list[Flow]:
+        """Flows whose buffer is complete; removed from the network."""
+        done = [f for f in self.flows if f.into.complete]
+        for f in done:
+            f.into.pos = f.into.size
+            self.remove(f)
+        return done
+
+    def next_event(self, now: float) -> float:
+        """Absolute time of the next start, completion, catch-up or unblocking."""
+        t = INF
+        for f in self.flows:
+            if f.start > now:
+                t = min(t, f.start)
+            elif f.rate > 0:
+                t = min(t, now + (f.into.size - f.into.pos) / f.rate)
+                t = min(t, now + self._catch_up(f))
+            else:
+                t = min(t, now + self._unblock(f))
+        return t
+
+    @staticmethod
+    def _catch_up(f: Flow) -> float:
+        """Seconds until ``f`` reaches a source it is not following yet."""
+        t = INF
+        for b in f.sources:
+            if b.complete or b in f.leaders:
+                continue
+            closing = f.rate - b.filling_rate()
+            if closing > 0:
+                t = min(t, max(0.0, b.pos - f.lag - f.into.pos) / closing)
+        return t
+
+    @staticmethod
+    def _unblock(f: Flow) -> float:
+        """Seconds until every source of a stopped flow is ahead of it again."""
+        t = 0.0
+        for b in f.sources:
+            if b.complete:
+                continue
+            short = f.into.pos + f.lag - b.pos
+            if short > 0:
+                r = b.filling_rate()
+                if r <= 0:
+                    return INF
+                t = max(t, short / r)
+        return t if t > 0 else INF
+
+    # ---------------------------------------------------------------- rates
+
+    def update_rates(self, now: float) -> None:
+        """Max-min fair rates by progressive filling, followers capped by leaders."""
+        active = [f for f in self.flows if f.start <= now]
+        for f in self.flows:
+            f.rate = 0.0
+        unfrozen: dict[Flow, None] = {}
+        followers: dict[Flow, list[Flow]] = {}
+        for f in active:
+            f.leaders = [
+                b for b in f.sources if not b.complete and b.pos - f.lag <= f.into.pos + EPS
+            ]
+            if any(b.pos - f.lag < f.into.pos - EPS or b.inflow is None for b in f.leaders):
+                continue  # a source is behind it, or stalled: it waits at rate 0
+            unfrozen[f] = None
+            for b in f.leaders:
+                assert b.inflow is not None
+                followers.setdefault(b.inflow, []).append(f)
+        residual, load = self._links(unfrozen)
+        # Leaders that are not running (not started, stopped) hold followers at 0.
+        for leader in list(followers):
+            if leader not in unfrozen:
+                self._freeze([leader], 0.0, unfrozen, followers, residual, load)
+        while unfrozen:
+            level = min(residual[k] / n for k, n in load.items() if n > 0)
+            level = max(level, 0.0)
+            hit = [k for k, n in load.items() if n > 0 and residual[k] / n <= level * (1 + 1e-9)]
+            hit_set = set(hit)
+            frozen = [f for f in unfrozen if any(k in hit_set for k in self._keys(f))]
+            self._freeze(frozen, level, unfrozen, followers, residual, load)
+
+    def _links(
+        self, flows: Iterable[Flow]
+    ) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], int]]:
+        residual: dict[tuple[str, str], float] = {}
+        load: dict[tuple[str, str], int] = {}
+        for f in flows:
+            for k in self._keys(f):
+                if k not in residual:
+                    kind, host = k
+                    table = self.up if kind == "u" else self.down
+                    residual[k] = (
+                        self.local_capacity
+                        if kind == "m"
+                        else table.get(host, self.default_capacity)
+                    )
+                load[k] = load.get(k, 0) + 1
+        return residual, load
+
+    @staticmethod
+    def _keys(f: Flow) -> tuple[tuple[str, str], ...]:
+        """The links ``f`` uses: the sender's uplink and the receiver's
+        downlink, or the host's memory for a stream within one host."""
+        if f.src == f.dst:
+            return (("m", f.src),)
+        return (("u", f.src), ("d", f.dst))
+
+    @classmethod
+    def _freeze(
+        cls,
+        flows: list[Flow],
+        rate: float,
+        unfrozen: dict[Flow, None],
+        followers: dict[Flow, list[Flow]],
+        residual: dict[tuple[str, str], float],
+        load: dict[tuple[str, str], int],
+    ) -> None:
+        """Fix ``flows`` (and, transitively, their followers) at ``rate``."""
+        stack = list(flows)
+        while stack:
+            f = stack.pop()
+            if f in unfrozen:
+                del unfrozen[f]
+                f.rate = rate
+                for k in cls._keys(f):
+                    residual[k] -= rate
+                    load[k] -= 1
+            stack.extend(g for g in followers.pop(f, ()) if g in unfrozen)

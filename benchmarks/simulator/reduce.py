@@ -1,0 +1,239 @@
+"""Reduce of one object per worker into one root, shaped by the real planner
+(:func:`~dask_hoplite.core.planner.plan_reduce_tree` with Hoplite's
+:func:`~dask_hoplite.core.planner.max_chain_length`) and repaired with the real
+:class:`~dask_hoplite.core.tree_repair.TreeRepair`; and Dask's one-task reduce
+(every input fetched into one worker) for comparison.
+
+Every tree edge carries the whole object, pipelined: a node's stream to its
+parent forwards the sum of its children's streams, so it stays a block behind
+the slowest of them. As in :func:`dask_hoplite.reduce`, the tree is planned
+once every input is ready (inputs fill the slots in the order they became
+ready, the first farthest from the root).
+
+Failures follow ``tree_repair.py`` and ``worker/reduce_root.py``: a dead
+node's parent sees its stream break at once and asks the root for a
+replacement (one setup latency); the root starts the node where the input is
+held again: the scheduler recomputes the lost input, in ``recompute`` seconds,
+on a surviving worker (chosen at random: every worker already runs a node, so
+that host's NIC then carries two streams each way). The replacement starts at
+the byte the parent reached and the dead node's children re-send it their
+partial sums from there; every other node streams on. A tree takes at most
+``budget`` (``hoplite.resume-attempts``) replacements; the next failure breaks
+it and the whole reduction restarts from byte 0 with the same shape and every
+input located again (``colocated_order`` puts a recomputed input next to the
+one its worker already holds). The root's worker is assumed not to fail (its
+task would be rerun by Dask).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+
+from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
+from dask_hoplite.core.reduce_spec import ReduceSpec
+from dask_hoplite.core.tree_repair import TreeRepair
+
+from benchmarks.simulator.broadcast import Outcome
+from benchmarks.simulator.engine import Engine
+from benchmarks.simulator.network import Buffer, Flow, Network
+from benchmarks.simulator.params import Cluster, address
+
+
+class HopliteReduce:
+    """One reduction of ``n_workers`` inputs, one per worker."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        n_workers: int,
+        size: float,
+        planner_bandwidth: float | None = None,
+        planner_latency: float | None = None,
+        recompute: float = 0.0,
+        budget: int = 8,
+        seed: int = 0,
+    ) -> None:
+        self.cluster = cluster
+        self.size = size
+        self.recompute = recompute
+        self.budget = budget
+        self.rng = random.Random(seed)
+        # The planner is given what the network model would measure: the
+        # per-host throughput and the latency of one block per hop.
+        bw = planner_bandwidth or cluster.rate
+        lat = planner_latency or cluster.block(size) / cluster.rate + cluster.overheads.hop_latency
+        self.tree = plan_reduce_tree(n_workers, max_chain_length(int(size), bw, lat))
+        self.net = Network(cluster.rate)
+        self.engine = Engine(self.net)
+        self.workers = [address(i) for i in range(n_workers)]
+        self.dead: set[str] = set()
+        self.host: list[str] = []  # worker running each node now
+        self.recv: list[Buffer] = []  # node's stream on its parent's worker
+        self.remaining: set[int] = set()  # root's children not complete
+        self.outcome = Outcome(0.0, depth=self.tree.height())
+        self.repair: TreeRepair | None = None
+
+    def run(
+        self,
+        arrivals: Mapping[str, float] | None = None,
+        failures: Mapping[str, float] | None = None,
+    ) -> Outcome:
+        ready = {w: 0.0 if arrivals is None else arrivals[w] for w in self.workers}
+        # Slots in the order inputs became ready (in-order numbering = fill order).
+        by_ready = sorted(self.workers, key=lambda w: (ready[w], w))
+        t0 = max(ready.values())
+        self.engine.at(t0, lambda now: self._start(by_ready, now))
+        for w, t in (failures or {}).items():
+            self.engine.at(t, lambda now, w=w: self._fail(w, now))
+        self.engine.run()
+        if self.remaining or not self.host:
+            raise RuntimeError("the reduction did not complete")
+        self.outcome.events = self.engine.events
+        return self.outcome
+
+    @property
+    def root_worker(self) -> str:
+        return self.host[self.tree.root]
+
+    def _spec(self) -> ReduceSpec:
+        return ReduceSpec(
+            rid="sim",
+            op="sum",
+            inputs=tuple(range(self.tree.n)),
+            addresses=tuple(self.host),
+            parent=self.tree.parent,
+            shape=(),
+            dtype="",
+            block_bytes=self.cluster.block_bytes,
+        )
+
+    def _start(self, hosts: list[str], now: float) -> None:
+        """Run the whole tree from byte 0 with node ``i`` on ``hosts[i]``."""
+        self.host = list(hosts)
+        self.repair = TreeRepair(self._spec(), budget=self.budget, grace=60.0)
+        self.recv = [Buffer(self.size) for _ in range(self.tree.n)]
+        self.remaining = set(self.tree.children(self.tree.root))
+        start = now + self.cluster.overheads.setup
+        for v in range(self.tree.n):
+            if v != self.tree.root:
+                self._stream(v, start)
+        if not self.remaining:
+            self.outcome.seconds = now
+
+    def _stream(self, v: int, start: float) -> None:
+        """Node ``v`` streams the sum of its children's streams to its parent."""
+        parent = self.tree.parent[v]
+        assert parent is not None
+        flow = Flow(
+            self.host[v],
+            self.host[parent],
+            self.recv[v],
+            sources=tuple(self.recv[c] for c in self.tree.children(v)),
+            lag=self.cluster.lag(self.size),
+            start=start,
+            on_done=lambda f, t, v=v: self._done(v, f, t),
+        )
+        self.net.add(flow)
+
+    def _done(self, v: int, flow: Flow, now: float) -> None:
+        if flow.into is not self.recv[v]:
+            return  # a stream of a tree that was restarted since
+        self.remaining.discard(v)
+        if not self.remaining:
+            self.outcome.seconds = now
+            assert self.repair is not None
+            self.repair.closed = True
+
+    def _fail(self, worker: str, now: float) -> None:
+        if worker in self.dead or not self.remaining:
+            return
+        if worker == self.root_worker:
+            raise ValueError("the simulator assumes the root's worker does not fail")
+        self.dead.add(worker)
+        self.net.remove_host(worker)
+        assert self.repair is not None
+        for v in [v for v, h in enumerate(self.host) if h == worker]:
+            self.repair.node_died(v, now)
+            if self.repair.refusal(v) is not None:
+                self._restart(now)
+                return
+            self.repair.begin(v)
+            # The parent's request reaches the root; the input is recomputed.
+            self.engine.at(
+                now + self.cluster.overheads.setup + self.recompute,
+                lambda t, v=v, r=self.repair: self._replace(v, r, t),
+            )
+
+    def _replace(self, v: int, repair: TreeRepair, now: float) -> None:
+        if repair is not self.repair or repair.closed:
+            return
+        new = self._surviving_worker()
+        repair.replaced(v, new)
+        self.host[v] = new
+        self.outcome.repairs += 1
+        offset = self.recv[v].pos
+        start = now + self.cluster.overheads.setup
+        for c in self.tree.children(v):
+            # The dead node's children re-send their partial sums from the
+            # byte its parent reached.
+            self.recv[c] = Buffer(self.size, pos=offset)
+            if self.host[c] not in self.dead:
+                self._stream(c, start)
+        parent = self.tree.parent[v]
+        assert parent is not None
+        if self.host[parent] not in self.dead:
+            self._stream(v, start)
+
+    def _restart(self, now: float) -> None:
+        """The tree broke beyond repair: every input located again, from byte 0."""
+        assert self.repair is not None
+        self.repair.closed = True
+        self.outcome.seconds = 0.0
+        for f in list(self.net.flows):
+            self.net.remove(f)
+        # Where each slot's input is now: its worker, or one that recomputed it.
+        holders = [h if h not in self.dead else self._surviving_worker() for h in self.host]
+        order = colocated_order(self.tree.parent, holders, self.tree.root)
+        hosts = [holders[i] for i in order]
+        self.outcome.resumes += 1  # counted as a restart of the whole tree
+        self.engine.at(now + self.recompute, lambda t: self._start(hosts, t))
+
+    def _surviving_worker(self) -> str:
+        alive = [w for w in self.workers if w not in self.dead]
+        return self.rng.choice(alive)
+
+
+def hoplite_reduce(
+    cluster: Cluster,
+    n_workers: int,
+    size: float,
+    arrivals: Mapping[str, float] | None = None,
+    failures: Mapping[str, float] | None = None,
+    **kw: float,
+) -> Outcome:
+    return HopliteReduce(cluster, n_workers, size, **kw).run(arrivals, failures)  # type: ignore[arg-type]
+
+
+def dask_reduce(cluster: Cluster, n_workers: int, size: float) -> Outcome:
+    """Dask's one-task reduce: the root fetches every other input at once
+    (``distributed.worker.connections.outgoing`` is 50), sharing its downlink."""
+    net = Network(cluster.rate)
+    engine = Engine(net)
+    out = Outcome(0.0, depth=1)
+    root = address(0)
+    for i in range(1, n_workers):
+        src = address(i)
+        net.add(
+            Flow(
+                src,
+                root,
+                Buffer(size),
+                start=cluster.overheads.setup,
+                on_done=lambda f, t: out.finish.__setitem__(f.src, t),
+            )
+        )
+    engine.run()
+    out.seconds = max(out.finish.values())
+    out.events = engine.events
+    return out
