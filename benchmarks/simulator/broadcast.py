@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dask_hoplite.core.directory import Assign, Decision, Missing, ObjectDirectory
-
 from benchmarks.simulator.engine import Engine
 from benchmarks.simulator.network import Buffer, Flow, Network
 from benchmarks.simulator.params import Cluster, address
+from dask_hoplite.core.directory import Assign, Decision, Missing, ObjectDirectory
 
 KEY = "x"
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from scipy.optimize import least_squares
 
 from benchmarks.simulator.broadcast import dask_broadcast, hoplite_broadcast
-from benchmarks.simulator.params import MiB, Cluster, Overheads
+from benchmarks.simulator.params import Cluster, MiB, Overheads
 from benchmarks.simulator.reduce import dask_reduce, hoplite_reduce
 
 #: The operations the simulator models, by (collective, op).
@@ -87,8 +87,9 @@ def predict(m: Measurement, overheads: Overheads) -> float:
     return MODELS[m.collective, m.op](cluster, m.n_workers, m.size).seconds
 
 
-def fit(data: list[Measurement], start: Overheads = Overheads()) -> tuple[Overheads, list[str]]:
+def fit(data: list[Measurement], start: Overheads | None = None) -> tuple[Overheads, list[str]]:
     """The overheads that fit ``data`` best, and the names of those fitted."""
+    start = start or Overheads()
     sizes = {m.n_workers for m in data if m.op == "hoplite"}
     names = ["efficiency", "hop_latency"] + (["setup"] if len(sizes) > 1 else [])
     if not data:

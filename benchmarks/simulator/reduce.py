@@ -30,14 +30,13 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 
-from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
-from dask_hoplite.core.reduce_spec import ReduceSpec
-from dask_hoplite.core.tree_repair import TreeRepair
-
 from benchmarks.simulator.broadcast import Outcome
 from benchmarks.simulator.engine import Engine
 from benchmarks.simulator.network import Buffer, Flow, Network
 from benchmarks.simulator.params import Cluster, address
+from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
+from dask_hoplite.core.reduce_spec import ReduceSpec
+from dask_hoplite.core.tree_repair import TreeRepair
 
 
 class HopliteReduce:
