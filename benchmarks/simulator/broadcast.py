@@ -105,7 +105,7 @@ class HopliteBroadcast:
                 on_done=lambda f, t, tid=d.transfer_id: self._done(tid, f, t),
             )
             self.flows[d.transfer_id] = self.net.add(flow)
-            depth = len(list(self.directory.upstream(KEY, d.receiver)))
+            depth = self.directory.transfers[d.transfer_id].depth
             self.outcome.depth = max(self.outcome.depth, depth)
 
     def _done(self, tid: int, flow: Flow, now: float) -> None:

@@ -108,7 +108,7 @@ def fit(data: list[Measurement], start: Overheads | None = None) -> tuple[Overhe
         bounds=([lo[k] for k in names], [hi[k] for k in names]),
         diff_step=1e-3,
     )
-    best = Overheads(**{**vars(start), **dict(zip(names, res.x, strict=True))})
+    best = Overheads(**{**vars(start), **dict(zip(names, map(float, res.x), strict=True))})
     return best, names
 
 

@@ -67,6 +67,15 @@ class Flow:
     carried: float = 0.0
     #: Sources that bound it now (filled in by the rate computation).
     leaders: list[Buffer] = field(default_factory=list)
+    #: The links it uses: the sender's uplink and the receiver's downlink, or
+    #: the host's memory for a stream between two workers of one host.
+    keys: tuple[tuple[str, str], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.src == self.dst:
+            self.keys = (("m", self.src),)
+        else:
+            self.keys = (("u", self.src), ("d", self.dst))
 
     def cap(self) -> float:
         """The furthest byte this flow may have sent now."""
@@ -122,7 +131,7 @@ class Network:
 
     def finished(self) -> list[Flow]:
         """Flows whose buffer is complete; removed from the network."""
-        done = [f for f in self.flows if f.into.complete]
+        done = [f for f in self.flows if f.into.pos >= f.into.size - EPS]
         for f in done:
             f.into.pos = f.into.size
             self.remove(f)
@@ -133,22 +142,21 @@ class Network:
         t = INF
         for f in self.flows:
             if f.start > now:
-                t = min(t, f.start)
+                t = min(t, f.start - now)
             elif f.rate > 0:
-                t = min(t, now + (f.into.size - f.into.pos) / f.rate)
-                t = min(t, now + self._catch_up(f))
+                t = min(t, (f.into.size - f.into.pos) / f.rate, self._catch_up(f))
             else:
-                t = min(t, now + self._unblock(f))
-        return t
+                t = min(t, self._unblock(f))
+        return now + t
 
     @staticmethod
     def _catch_up(f: Flow) -> float:
         """Seconds until ``f`` reaches a source it is not following yet."""
         t = INF
         for b in f.sources:
-            if b.complete or b in f.leaders:
+            if b.pos >= b.size - EPS or b in f.leaders:
                 continue
-            closing = f.rate - b.filling_rate()
+            closing = f.rate - (b.inflow.rate if b.inflow is not None else 0.0)
             if closing > 0:
                 t = min(t, max(0.0, b.pos - f.lag - f.into.pos) / closing)
         return t
@@ -158,11 +166,9 @@ class Network:
         """Seconds until every source of a stopped flow is ahead of it again."""
         t = 0.0
         for b in f.sources:
-            if b.complete:
-                continue
             short = f.into.pos + f.lag - b.pos
-            if short > 0:
-                r = b.filling_rate()
+            if short > 0 and b.pos < b.size - EPS:
+                r = b.inflow.rate if b.inflow is not None else 0.0
                 if r <= 0:
                     return INF
                 t = max(t, short / r)
@@ -172,21 +178,26 @@ class Network:
 
     def update_rates(self, now: float) -> None:
         """Max-min fair rates by progressive filling, followers capped by leaders."""
-        active = [f for f in self.flows if f.start <= now]
-        for f in self.flows:
-            f.rate = 0.0
         unfrozen: dict[Flow, None] = {}
         followers: dict[Flow, list[Flow]] = {}
-        for f in active:
-            f.leaders = [
-                b for b in f.sources if not b.complete and b.pos - f.lag <= f.into.pos + EPS
-            ]
-            if any(b.pos - f.lag < f.into.pos - EPS or b.inflow is None for b in f.leaders):
-                continue  # a source is behind it, or stalled: it waits at rate 0
+        for f in self.flows:
+            f.rate = 0.0
+            if f.start > now:
+                continue
+            pos, leaders, waits = f.into.pos, [], False
+            for b in f.sources:
+                ahead = b.pos - f.lag - pos
+                if ahead > EPS or b.pos >= b.size - EPS:
+                    continue  # it may run ahead of this source for now
+                if ahead < -EPS or b.inflow is None:
+                    waits = True  # a source is behind it, or stalled: rate 0
+                leaders.append(b)
+            f.leaders = leaders
+            if waits:
+                continue
             unfrozen[f] = None
-            for b in f.leaders:
-                assert b.inflow is not None
-                followers.setdefault(b.inflow, []).append(f)
+            for b in leaders:
+                followers.setdefault(b.inflow, []).append(f)  # type: ignore[arg-type]
         residual, load = self._links(unfrozen)
         # Leaders that are not running (not started, stopped) hold followers at 0.
         for leader in list(followers):
@@ -197,7 +208,7 @@ class Network:
             level = max(level, 0.0)
             hit = [k for k, n in load.items() if n > 0 and residual[k] / n <= level * (1 + 1e-9)]
             hit_set = set(hit)
-            frozen = [f for f in unfrozen if any(k in hit_set for k in self._keys(f))]
+            frozen = [f for f in unfrozen if any(k in hit_set for k in f.keys)]
             self._freeze(frozen, level, unfrozen, followers, residual, load)
 
     def _links(
@@ -206,7 +217,7 @@ class Network:
         residual: dict[tuple[str, str], float] = {}
         load: dict[tuple[str, str], int] = {}
         for f in flows:
-            for k in self._keys(f):
+            for k in f.keys:
                 if k not in residual:
                     kind, host = k
                     table = self.up if kind == "u" else self.down
@@ -219,16 +230,7 @@ class Network:
         return residual, load
 
     @staticmethod
-    def _keys(f: Flow) -> tuple[tuple[str, str], ...]:
-        """The links ``f`` uses: the sender's uplink and the receiver's
-        downlink, or the host's memory for a stream within one host."""
-        if f.src == f.dst:
-            return (("m", f.src),)
-        return (("u", f.src), ("d", f.dst))
-
-    @classmethod
     def _freeze(
-        cls,
         flows: list[Flow],
         rate: float,
         unfrozen: dict[Flow, None],
@@ -243,7 +245,7 @@ class Network:
             if f in unfrozen:
                 del unfrozen[f]
                 f.rate = rate
-                for k in cls._keys(f):
+                for k in f.keys:
                     residual[k] -= rate
                     load[k] -= 1
             stack.extend(g for g in followers.pop(f, ()) if g in unfrozen)
