@@ -57,6 +57,7 @@ class HopliteBroadcast:
         self.buffers[self.source].pos = size
         self.holders = {self.source}  # Dask's complete copies
         self.flows: dict[int, Flow] = {}  # by transfer id
+        self.history: list[Flow] = []  # every stream started, in order
         self.dead: set[str] = set()
         self.exclude: dict[str, set[str]] = {}
         self.outcome = Outcome(0.0)
@@ -105,6 +106,7 @@ class HopliteBroadcast:
                 on_done=lambda f, t, tid=d.transfer_id: self._done(tid, f, t),
             )
             self.flows[d.transfer_id] = self.net.add(flow)
+            self.history.append(flow)
             depth = self.directory.transfers[d.transfer_id].depth
             self.outcome.depth = max(self.outcome.depth, depth)
 

@@ -70,6 +70,8 @@ class Flow:
     #: The links it uses: the sender's uplink and the receiver's downlink, or
     #: the host's memory for a stream between two workers of one host.
     keys: tuple[tuple[str, str], ...] = field(init=False)
+    #: The capacity of each of those links (set when added to a network).
+    caps: tuple[float, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         if self.src == self.dst:
@@ -101,6 +103,7 @@ class Network:
         self.up[host], self.down[host] = up, down
 
     def add(self, flow: Flow) -> Flow:
+        flow.caps = tuple(self._capacity(k) for k in flow.keys)
         flow.into.inflow = flow
         self.flows[flow] = None
         return flow
@@ -211,22 +214,24 @@ class Network:
             frozen = [f for f in unfrozen if any(k in hit_set for k in f.keys)]
             self._freeze(frozen, level, unfrozen, followers, residual, load)
 
+    def _capacity(self, link: tuple[str, str]) -> float:
+        kind, host = link
+        if kind == "m":
+            return self.local_capacity
+        return (self.up if kind == "u" else self.down).get(host, self.default_capacity)
+
+    @staticmethod
     def _links(
-        self, flows: Iterable[Flow]
+        flows: Iterable[Flow],
     ) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], int]]:
         residual: dict[tuple[str, str], float] = {}
         load: dict[tuple[str, str], int] = {}
         for f in flows:
-            for k in f.keys:
-                if k not in residual:
-                    kind, host = k
-                    table = self.up if kind == "u" else self.down
-                    residual[k] = (
-                        self.local_capacity
-                        if kind == "m"
-                        else table.get(host, self.default_capacity)
-                    )
-                load[k] = load.get(k, 0) + 1
+            for k, cap in zip(f.keys, f.caps, strict=True):
+                if k in load:
+                    load[k] += 1
+                else:
+                    residual[k], load[k] = cap, 1
         return residual, load
 
     @staticmethod

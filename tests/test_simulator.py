@@ -1,0 +1,160 @@
+"""The flow-level simulator (``benchmarks/simulator``): max-min fair sharing,
+pipelining that never lets a receiver overtake its sender, resumption after a
+failure, and the shape of the results a user reads off it (a chain takes about
+S/B plus its hop latencies, Dask's star (N-1) S/B, 1,024 workers in bounds)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.simulator.broadcast import HopliteBroadcast, dask_broadcast
+from benchmarks.simulator.network import EPS, Buffer, Flow, Network
+from benchmarks.simulator.params import Cluster, MiB, Overheads, address
+from benchmarks.simulator.reduce import HopliteReduce
+
+S = 64 * MiB
+CLUSTER = Cluster(125e6, Overheads(efficiency=1.0, hop_latency=0.002, setup=0.001))
+
+
+def rates(net: Network) -> dict[tuple[str, str], float]:
+    net.update_rates(0.0)
+    return {(f.src, f.dst): f.rate for f in net.flows}
+
+
+def flow(src: str, dst: str, sources: tuple[Buffer, ...] = ()) -> Flow:
+    return Flow(src, dst, Buffer(100.0), sources=sources)
+
+
+def test_max_min_shares_an_uplink_and_a_downlink_fairly():
+    net = Network(10.0)
+    for src, dst in [("a", "b"), ("a", "c"), ("d", "c")]:
+        net.add(flow(src, dst))
+    assert rates(net) == {("a", "b"): 5.0, ("a", "c"): 5.0, ("d", "c"): 5.0}
+
+
+def test_max_min_gives_what_a_slow_receiver_leaves_to_the_others():
+    net = Network(10.0)
+    net.set_capacity("c", up=10.0, down=2.0)
+    for src, dst in [("a", "b"), ("a", "c"), ("d", "e")]:
+        net.add(flow(src, dst))
+    assert rates(net) == pytest.approx({("a", "b"): 8.0, ("a", "c"): 2.0, ("d", "e"): 10.0})
+
+
+def test_a_relay_that_caught_up_goes_no_faster_than_its_own_sender():
+    net = Network(10.0)
+    net.set_capacity("b", up=10.0, down=3.0)  # the relay's ingress is slow
+    into_b = net.add(flow("a", "b"))
+    net.add(flow("b", "c", sources=(into_b.into,)))  # b has no byte yet: caught up
+    assert rates(net) == pytest.approx({("a", "b"): 3.0, ("b", "c"): 3.0})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 4)).filter(lambda e: e[0] != e[1]),
+        min_size=1,
+        max_size=12,
+    ),
+    st.lists(st.floats(1.0, 100.0), min_size=10, max_size=10),
+)
+def test_max_min_never_overloads_a_link_and_every_flow_has_a_bottleneck(edges, caps):
+    net = Network(1.0)
+    for h in range(5):
+        net.set_capacity(str(h), up=caps[h], down=caps[5 + h])
+    for src, dst in edges:
+        net.add(flow(str(src), str(dst)))
+    net.update_rates(0.0)
+    load: dict[tuple[str, str], float] = {}
+    for f in net.flows:
+        for k in f.keys:
+            load[k] = load.get(k, 0.0) + f.rate
+    cap = {("u", str(h)): caps[h] for h in range(5)} | {
+        ("d", str(h)): caps[5 + h] for h in range(5)
+    }
+    assert all(load[k] <= cap[k] * (1 + 1e-9) for k in load)
+    for f in net.flows:
+        # Max-min: some link of f is full and no flow on it gets more than f.
+        assert any(
+            load[k] >= cap[k] * (1 - 1e-9)
+            and all(g.rate <= f.rate * (1 + 1e-9) for g in net.flows if k in g.keys)
+            for k in f.keys
+        )
+
+
+def test_a_two_receiver_chain_takes_s_over_b_plus_one_hop():
+    out = HopliteBroadcast(CLUSTER, 3, S).run()
+    hop = CLUSTER.lag(S) / CLUSTER.rate
+    expected = CLUSTER.overheads.setup + S / CLUSTER.rate + hop
+    assert out.depth == 2  # source -> r1 -> r2: the directory made a chain
+    assert out.seconds == pytest.approx(expected, rel=1e-6)
+
+
+def test_pipelining_never_lets_a_receiver_overtake_its_sender():
+    arrivals = {address(i): 0.05 * i for i in range(1, 12)}
+    sim = HopliteBroadcast(CLUSTER, 12, S)
+    violations: list[str] = []
+
+    def check(now: float) -> None:
+        for f in sim.net.flows:
+            for b in f.sources:
+                if not b.complete and f.into.pos > b.pos + EPS:
+                    violations.append(f"{f.dst} at {f.into.pos} ahead of {b.pos} at t={now}")
+        if now < 2.0:
+            sim.engine.at(now + 0.013, check)
+
+    sim.engine.at(0.0, check)
+    out = sim.run(arrivals)
+    assert violations == []
+    assert len(out.finish) == 11
+
+
+def test_a_receiver_whose_relay_dies_resumes_from_the_byte_it_reached():
+    sim = HopliteBroadcast(CLUSTER, 4, S)  # chain: w0 -> w1 -> w2 -> w3
+    relay, orphan = address(1), address(2)
+    t_fail = 0.3
+    out = sim.run(failures={relay: t_fail})
+    assert out.resumes == 1
+    reached = out.bytes_kept
+    assert 0.5 * t_fail * CLUSTER.rate < reached < S
+    # Every byte reached the orphan once: nothing was sent again from byte 0.
+    carried = sum(f.carried for f in sim.history if f.dst == orphan)
+    assert carried == pytest.approx(S, abs=1e3)
+    assert orphan in out.finish and address(3) in out.finish
+    # It waited for a free complete copy (the source serves its chain), and
+    # then only had to receive the rest.
+    assert out.finish[orphan] < S / CLUSTER.rate + (S - reached) / CLUSTER.rate + 0.1
+
+
+def test_dask_star_takes_n_minus_one_copies_through_the_source_uplink():
+    for n in (2, 5, 9):
+        out = dask_broadcast(CLUSTER, n, S)
+        assert out.seconds == pytest.approx(
+            (n - 1) * S / CLUSTER.rate + CLUSTER.overheads.setup, rel=1e-6
+        )
+
+
+def test_a_reduce_chain_takes_s_over_b_plus_its_hops_and_survives_a_failure():
+    sim = HopliteReduce(CLUSTER, 6, S, planner_latency=1e-6)  # a chain of 6
+    hop = CLUSTER.lag(S) / CLUSTER.rate
+    assert sim.tree.depth == 0
+    out = sim.run()
+    assert out.seconds == pytest.approx(
+        CLUSTER.overheads.setup + S / CLUSTER.rate + 4 * hop, rel=1e-6
+    )
+    root = address(sim.tree.root)
+    victim = next(address(i) for i in range(6) if address(i) != root)
+    out = HopliteReduce(CLUSTER, 6, S, planner_latency=1e-6).run(failures={victim: 0.2})
+    assert out.repairs == 1 and out.resumes == 0
+    assert out.seconds < 2 * S / CLUSTER.rate
+
+
+def test_1024_workers_broadcast_in_sane_bounds():
+    # About the overheads calibrated on the emulated cluster (a chain of 1,023
+    # relays, each a block plus ~10 ms behind its sender).
+    cluster = Cluster(1.25e9, Overheads(efficiency=0.92, hop_latency=0.01, setup=0.002))
+    out = HopliteBroadcast(cluster, 1024, 1e9).run()
+    bound = 1e9 / cluster.rate
+    assert len(out.finish) == 1023
+    assert bound < out.seconds <= bound + 1023 * cluster.lag(1e9) / cluster.rate + 0.01
