@@ -25,6 +25,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +37,8 @@ from benchmarks.simulator.broadcast import Outcome, dask_broadcast, hoplite_broa
 from benchmarks.simulator.params import Cluster, Overheads, address  # noqa: E402
 from benchmarks.simulator.reduce import HopliteReduce, dask_reduce  # noqa: E402
 
+#: One simulated run: (arrivals, failures) -> outcome.
+Run = Callable[[Mapping[str, float] | None, Mapping[str, float] | None], Outcome]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_MEASUREMENTS = [
     os.path.join(RESULTS, f)
@@ -122,19 +125,20 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
     n_fail = max(1, round(args.fail * n))
     rows = []
 
-    def runs(collective: str, run, victims_from: list[str]) -> None:  # noqa: ANN001
+    def runs(collective: str, run: Run, victims_from: list[str]) -> None:
         row, t0 = _row(collective, "hoplite", "a: all at t=0", n, size, cluster)
         base = _fill(row, run(None, None), t0)
         rows.append(base)
-        row, t0 = _row(
-            collective, "hoplite", f"b: arrivals over {args.spread:g}s", n, size, cluster
-        )
-        rows.append(_fill(row, run(arrivals, None), t0, max(arrivals.values())))
-        victims = rng.sample(victims_from, n_fail)
-        fails = {w: rng.uniform(0.1, 0.9) * base.seconds for w in victims}
-        label = f"c: {n_fail} fail ({args.fail:.0%})"
-        row, t0 = _row(collective, "hoplite", label, n, size, cluster)
-        rows.append(_fill(row, run(None, fails), t0))
+        if "b" in args.scenarios:
+            label = f"b: arrivals over {args.spread:g}s"
+            row, t0 = _row(collective, "hoplite", label, n, size, cluster)
+            rows.append(_fill(row, run(arrivals, None), t0, max(arrivals.values())))
+        if "c" in args.scenarios:
+            victims = rng.sample(victims_from, n_fail)
+            fails = {w: rng.uniform(0.1, 0.9) * base.seconds for w in victims}
+            label = f"c: {n_fail} fail ({args.fail:.0%})"
+            row, t0 = _row(collective, "hoplite", label, n, size, cluster)
+            rows.append(_fill(row, run(None, fails), t0))
 
     runs(
         "broadcast",
@@ -204,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spread", type=float, default=1.0, help="arrivals over this many seconds")
     p.add_argument("--fail", type=float, default=0.01, help="share of workers that die")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--scenarios", default="abc", help="which of a (t=0), b (arrivals), c (failures); a always"
+    )
     p.add_argument("--hop-latency", type=float, help="seconds; overrides the calibration")
     p.add_argument("--no-dask", dest="dask", action="store_false")
     p.add_argument("--out", default=os.path.join(RESULTS, "simulation-1024"))

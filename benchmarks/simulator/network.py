@@ -30,7 +30,7 @@ EPS = 1.0
 INF = math.inf
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Buffer:
     """One object's bytes arriving on one worker, in order."""
 
@@ -47,7 +47,7 @@ class Buffer:
         return self.inflow.rate if self.inflow is not None else 0.0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Flow:
     """A stream from host ``src`` into ``into`` on host ``dst``."""
 
