@@ -191,7 +191,7 @@ def plot(rows: list[Row], path: str) -> None:
     ax.set_ylabel("time / (S/B)")
     r0 = rows[0]
     ax.set_title(
-        f"simulated hoplite, {r0.n_workers} workers, {format_bytes(r0.size)}, {r0.gbit:g} Gbit/s"
+        f"simulated hoplite, {r0.n_workers} workers, {r0.size / 1e9:g} GB, {r0.gbit:g} Gbit/s"
     )
     ax.legend()
     fig.tight_layout()
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.hop_latency is not None:
         overheads = Overheads(overheads.efficiency, args.hop_latency, overheads.setup)
     print(
-        f"\n{args.workers} workers, {format_bytes(args.size)}, {args.gbit:g} Gbit/s, "
+        f"\n{args.workers} workers, {args.size / 1e9:g} GB, {args.gbit:g} Gbit/s, "
         f"overheads {overheads}"
     )
     rows = scenarios(args, overheads)

@@ -5,6 +5,8 @@ S/B plus its hop latencies, Dask's star (N-1) S/B, 1,024 workers in bounds)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -158,3 +160,38 @@ def test_1024_workers_broadcast_in_sane_bounds():
     bound = 1e9 / cluster.rate
     assert len(out.finish) == 1023
     assert bound < out.seconds <= bound + 1023 * cluster.lag(1e9) / cluster.rate + 0.01
+
+
+def test_calibration_recovers_hop_latency_and_setup_from_several_cluster_sizes(tmp_path):
+    from benchmarks.simulator import calibrate
+
+    truth = Overheads(efficiency=0.9, hop_latency=0.004, setup=0.03)
+    entries = []
+    for n, mbit, collective, op in [
+        (4, 1000.0, "broadcast", "hoplite"),
+        (8, 1000.0, "broadcast", "hoplite"),
+        (16, 500.0, "broadcast", "hoplite"),
+        (8, 1000.0, "reduce", "hoplite"),
+        (8, 1000.0, "broadcast", "dask"),
+    ]:
+        m = calibrate.Measurement("x", collective, op, n, 256 * MiB, mbit, 1.0)
+        entries.append(
+            {
+                "op": op,
+                "collective": collective,
+                "n_workers": n,
+                "size": 256 * MiB,
+                "rate_mbit": mbit,
+                "seconds": calibrate.predict(m, truth),
+            }
+        )
+    path = tmp_path / "scaling.json"
+    path.write_text(json.dumps(entries))
+    data = calibrate.load([str(path)])
+    assert len(data) == 5
+    best, fitted = calibrate.fit(data)
+    assert fitted == ["efficiency", "hop_latency", "setup"]
+    assert best.efficiency == pytest.approx(0.9, rel=1e-3)
+    assert best.hop_latency == pytest.approx(0.004, rel=0.05)
+    assert best.setup == pytest.approx(0.03, rel=0.05)
+    assert all(abs(r.error) < 0.1 for r in calibrate.compare(data, best))
