@@ -134,23 +134,26 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
             row, t0 = _row(collective, "hoplite", label, n, size, cluster)
             rows.append(_fill(row, run(arrivals, None), t0, max(arrivals.values())))
         if "c" in args.scenarios:
-            victims = rng.sample(victims_from, n_fail)
-            fails = {w: rng.uniform(0.1, 0.9) * base.seconds for w in victims}
+            frng = random.Random(f"{args.seed}:{collective}")
+            victims = frng.sample(victims_from, n_fail)
+            fails = {w: frng.uniform(0.1, 0.9) * base.seconds for w in victims}
             label = f"c: {n_fail} fail ({args.fail:.0%})"
             row, t0 = _row(collective, "hoplite", label, n, size, cluster)
             rows.append(_fill(row, run(None, fails), t0))
 
-    runs(
-        "broadcast",
-        lambda arr, fails: hoplite_broadcast(cluster, n, size, arr, fails),
-        workers[1:],
-    )
-    root = address(HopliteReduce(cluster, n, size).tree.root)
-    runs(
-        "reduce",
-        lambda arr, fails: HopliteReduce(cluster, n, size, seed=args.seed).run(arr, fails),
-        [w for w in workers if w != root],
-    )
+    if "broadcast" in args.collectives:
+        runs(
+            "broadcast",
+            lambda arr, fails: hoplite_broadcast(cluster, n, size, arr, fails),
+            workers[1:],
+        )
+    if "reduce" in args.collectives:
+        root = address(HopliteReduce(cluster, n, size).tree.root)
+        runs(
+            "reduce",
+            lambda arr, fails: HopliteReduce(cluster, n, size, seed=args.seed).run(arr, fails),
+            [w for w in workers if w != root],
+        )
     if args.dask:
         row, t0 = _row("broadcast", "dask", "a: all at t=0", n, size, cluster)
         rows.append(_fill(row, dask_broadcast(cluster, n, size), t0))
@@ -208,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spread", type=float, default=1.0, help="arrivals over this many seconds")
     p.add_argument("--fail", type=float, default=0.01, help="share of workers that die")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--collectives", nargs="+", choices=("broadcast", "reduce"), default=("broadcast", "reduce")
+    )
     p.add_argument(
         "--scenarios", default="abc", help="which of a (t=0), b (arrivals), c (failures); a always"
     )
