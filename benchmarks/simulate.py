@@ -148,7 +148,8 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
             workers[1:],
         )
     if "reduce" in args.collectives:
-        root = address(HopliteReduce(cluster, n, size).tree.root)
+        plan = HopliteReduce(cluster, n, size)
+        root = plan.host_of_node_before_start(plan.tree.root)
         runs(
             "reduce",
             lambda arr, fails: HopliteReduce(cluster, n, size, seed=args.seed).run(arr, fails),

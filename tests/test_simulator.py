@@ -6,6 +6,7 @@ S/B plus its hop latencies, Dask's star (N-1) S/B, 1,024 workers in bounds)."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -195,3 +196,27 @@ def test_calibration_recovers_hop_latency_and_setup_from_several_cluster_sizes(t
     assert best.hop_latency == pytest.approx(0.004, rel=0.05)
     assert best.setup == pytest.approx(0.03, rel=0.05)
     assert all(abs(r.error) < 0.1 for r in calibrate.compare(data, best))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_incremental_rates_match_a_full_recomputation_at_every_event(seed, monkeypatch):
+    cluster = Cluster(1.25e9, Overheads(efficiency=0.92, hop_latency=0.002, setup=0.002))
+    rng = random.Random(seed)
+    n = 32
+    arrivals = {address(i): rng.uniform(0, 0.5) for i in range(n)}
+    fails = {address(i): rng.uniform(0.1, 1.0) for i in rng.sample(range(2, n), 3)}
+
+    def runs() -> list[object]:
+        tree = HopliteReduce(cluster, n, 1e9, planner_latency=0.05, seed=seed)
+        root = tree.host_of_node_before_start(tree.tree.root)
+        return [
+            HopliteBroadcast(cluster, n, 1e9).run(arrivals, fails).finish,
+            HopliteBroadcast(cluster, n, 1e9, fanout=2).run(arrivals, None).finish,
+            tree.run(None, {w: t for w, t in fails.items() if w != root}).seconds,
+            dask_broadcast(cluster, n, 1e8).finish,
+        ]
+
+    fast = runs()
+    monkeypatch.setattr(Network, "incremental_default", False)
+    for got, full in zip(fast, runs(), strict=True):
+        assert got == pytest.approx(full, rel=1e-9)

@@ -17,10 +17,18 @@ flow filling that source: progressive filling freezes such a *follower* the
 moment its leader is frozen. Rates are constant between events, so the time of
 the next event (a flow starts, completes, catches up with a source, or is
 unblocked by one) is computed exactly; nothing is simulated block by block.
+
+Rates are recomputed incrementally: only for the flows an event touched, the
+flows sharing a link with them, and, while rates change, the flows reading
+their buffers. That set is closed under link sharing, so progressive filling
+over it (the rates of leaders outside it held fixed) gives the same rates as
+over every flow (``incremental=False`` recomputes everything, for checking).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -72,6 +80,8 @@ class Flow:
     keys: tuple[tuple[str, str], ...] = field(init=False)
     #: The capacity of each of those links (set when added to a network).
     caps: tuple[float, ...] = field(init=False, default=())
+    #: Absolute time of its next event (start, completion, catch-up, unblocking).
+    event: float = field(init=False, default=INF)
 
     def __post_init__(self) -> None:
         if self.src == self.dst:
@@ -91,13 +101,28 @@ class Flow:
 class Network:
     """Hosts with per-direction capacities (bytes/s) and the flows on them."""
 
-    def __init__(self, default_capacity: float, local_capacity: float = 1e12) -> None:
+    #: Recompute rates only where an event changed something (False: every
+    #: flow at every event, the reference the incremental way is checked against).
+    incremental_default = True
+
+    def __init__(
+        self,
+        default_capacity: float,
+        local_capacity: float = 1e12,
+        incremental: bool | None = None,
+    ) -> None:
         self.default_capacity = default_capacity
         #: Rate of a stream between two workers of one host (memory, not NIC).
         self.local_capacity = local_capacity
+        self.incremental = self.incremental_default if incremental is None else incremental
         self.up: dict[str, float] = {}
         self.down: dict[str, float] = {}
         self.flows: dict[Flow, None] = {}  # insertion-ordered set: deterministic
+        self._on_link: dict[tuple[str, str], dict[Flow, None]] = {}
+        self._readers: dict[Buffer, dict[Flow, None]] = {}
+        self._dirty: dict[Flow, None] = {}
+        self._events: list[tuple[float, int, Flow]] = []
+        self._seq = itertools.count()
 
     def set_capacity(self, host: str, up: float, down: float) -> None:
         self.up[host], self.down[host] = up, down
@@ -106,13 +131,29 @@ class Network:
         flow.caps = tuple(self._capacity(k) for k in flow.keys)
         flow.into.inflow = flow
         self.flows[flow] = None
+        for k in flow.keys:
+            self._on_link.setdefault(k, {})[flow] = None
+        for b in flow.sources:
+            self._readers.setdefault(b, {})[flow] = None
+        self._touch(flow)
+        self._touch_readers(flow.into)
         return flow
 
     def remove(self, flow: Flow) -> None:
-        self.flows.pop(flow, None)
+        if flow not in self.flows:
+            return
+        del self.flows[flow]
         flow.rate = 0.0
+        self._dirty.pop(flow, None)
+        for k in flow.keys:
+            self._on_link[k].pop(flow, None)
+            for g in self._on_link[k]:
+                self._touch(g)
+        for b in flow.sources:
+            self._readers[b].pop(flow, None)
         if flow.into.inflow is flow:
             flow.into.inflow = None
+        self._touch_readers(flow.into)
 
     def remove_host(self, host: str) -> list[Flow]:
         """Drop every flow from or to ``host`` (it died); returns them."""
@@ -120,6 +161,13 @@ class Network:
         for f in gone:
             self.remove(f)
         return gone
+
+    def _touch(self, flow: Flow) -> None:
+        self._dirty[flow] = None
+
+    def _touch_readers(self, buffer: Buffer) -> None:
+        for g in self._readers.get(buffer, ()):
+            self._dirty[g] = None
 
     # ----------------------------------------------------------------- time
 
@@ -142,15 +190,21 @@ class Network:
 
     def next_event(self, now: float) -> float:
         """Absolute time of the next start, completion, catch-up or unblocking."""
-        t = INF
-        for f in self.flows:
-            if f.start > now:
-                t = min(t, f.start - now)
-            elif f.rate > 0:
-                t = min(t, (f.into.size - f.into.pos) / f.rate, self._catch_up(f))
-            else:
-                t = min(t, self._unblock(f))
-        return now + t
+        ev = self._events
+        while ev and (ev[0][2] not in self.flows or ev[0][2].event != ev[0][0]):
+            heapq.heappop(ev)
+        return ev[0][0] if ev else INF
+
+    def _schedule(self, f: Flow, now: float) -> None:
+        if f.start > now:
+            dt = f.start - now
+        elif f.rate > 0:
+            dt = min((f.into.size - f.into.pos) / f.rate, self._catch_up(f))
+        else:
+            dt = self._unblock(f)
+        f.event = now + dt
+        if f.event < INF:
+            heapq.heappush(self._events, (f.event, next(self._seq), f))
 
     @staticmethod
     def _catch_up(f: Flow) -> float:
@@ -180,38 +234,94 @@ class Network:
     # ---------------------------------------------------------------- rates
 
     def update_rates(self, now: float) -> None:
-        """Max-min fair rates by progressive filling, followers capped by leaders."""
+        """Max-min fair rates by progressive filling, followers capped by leaders,
+        recomputed where something changed since the last call."""
+        ev = self._events
+        while ev and ev[0][0] <= now * (1 + 1e-12) + 1e-12:
+            _, _, f = heapq.heappop(ev)
+            if f in self.flows and f.event <= now * (1 + 1e-12) + 1e-12:
+                self._dirty[f] = None
+        pending = list(self.flows) if not self.incremental else list(self._dirty)
+        self._dirty.clear()
+        reschedule: dict[Flow, None] = {}
+        rounds = 0
+        while pending:
+            rounds += 1
+            if rounds > 2 * len(self.flows) + 10:  # never seen; a full pass is exact
+                pending = list(self.flows)
+            group = self._link_closure(pending)
+            old = {f: f.rate for f in group}
+            self._fill(group, now)
+            reschedule.update(group)
+            pending = []
+            for f in group:
+                if f.rate != old[f]:
+                    for g in self._readers.get(f.into, ()):
+                        reschedule[g] = None
+                        if g not in group:
+                            pending.append(g)
+        for f in reschedule:
+            if f in self.flows:
+                self._schedule(f, now)
+
+    def _link_closure(self, flows: Iterable[Flow]) -> dict[Flow, None]:
+        """``flows`` and every flow that shares a link with one of them, transitively."""
+        group: dict[Flow, None] = {}
+        stack = [f for f in flows if f in self.flows]
+        while stack:
+            f = stack.pop()
+            if f in group:
+                continue
+            group[f] = None
+            for k in f.keys:
+                stack.extend(g for g in self._on_link[k] if g not in group)
+        return group
+
+    def _fill(self, group: dict[Flow, None], now: float) -> None:
+        """Progressive filling over ``group`` (closed under link sharing); a
+        leader outside it caps its followers at its current rate."""
         unfrozen: dict[Flow, None] = {}
         followers: dict[Flow, list[Flow]] = {}
-        for f in self.flows:
+        limit: dict[Flow, float] = {}  # caps from leaders outside the group
+        for f in group:
             f.rate = 0.0
             if f.start > now:
                 continue
-            pos, leaders, waits = f.into.pos, [], False
+            pos, leaders, waits, cap = f.into.pos, [], False, INF
             for b in f.sources:
                 ahead = b.pos - f.lag - pos
                 if ahead > EPS or b.pos >= b.size - EPS:
                     continue  # it may run ahead of this source for now
                 if ahead < -EPS or b.inflow is None:
                     waits = True  # a source is behind it, or stalled: rate 0
+                elif b.inflow not in group:
+                    cap = min(cap, b.inflow.rate)
                 leaders.append(b)
             f.leaders = leaders
-            if waits:
+            if waits or cap <= 0:
                 continue
             unfrozen[f] = None
+            if cap < INF:
+                limit[f] = cap
             for b in leaders:
-                followers.setdefault(b.inflow, []).append(f)  # type: ignore[arg-type]
+                if b.inflow in group:
+                    followers.setdefault(b.inflow, []).append(f)  # type: ignore[arg-type]
         residual, load = self._links(unfrozen)
         # Leaders that are not running (not started, stopped) hold followers at 0.
         for leader in list(followers):
             if leader not in unfrozen:
                 self._freeze([leader], 0.0, unfrozen, followers, residual, load)
         while unfrozen:
-            level = min(residual[k] / n for k, n in load.items() if n > 0)
+            level = min(
+                min((residual[k] / n for k, n in load.items() if n > 0), default=INF),
+                min((limit[f] for f in limit if f in unfrozen), default=INF),
+            )
             level = max(level, 0.0)
-            hit = [k for k, n in load.items() if n > 0 and residual[k] / n <= level * (1 + 1e-9)]
-            hit_set = set(hit)
-            frozen = [f for f in unfrozen if any(k in hit_set for k in f.keys)]
+            top = level * (1 + 1e-9)
+            hit = {k for k, n in load.items() if n > 0 and residual[k] / n <= top}
+            frozen = [
+                f for f in unfrozen if limit.get(f, INF) <= top or any(k in hit for k in f.keys)
+            ]
             self._freeze(frozen, level, unfrozen, followers, residual, load)
 
     def _capacity(self, link: tuple[str, str]) -> float:

@@ -80,7 +80,8 @@ class HopliteReduce:
     ) -> Outcome:
         ready = {w: 0.0 if arrivals is None else arrivals[w] for w in self.workers}
         # Slots in the order inputs became ready (in-order numbering = fill order).
-        by_ready = sorted(self.workers, key=lambda w: (ready[w], w))
+        index = {w: i for i, w in enumerate(self.workers)}
+        by_ready = sorted(self.workers, key=lambda w: (ready[w], index[w]))
         t0 = max(ready.values())
         self.engine.at(t0, lambda now: self._start(by_ready, now))
         for w, t in (failures or {}).items():
@@ -90,6 +91,10 @@ class HopliteReduce:
             raise RuntimeError("the reduction did not complete")
         self.outcome.events = self.engine.events
         return self.outcome
+
+    def host_of_node_before_start(self, node: int) -> str:
+        """The worker node ``node`` runs on when every input is ready at t=0."""
+        return self.workers[node]
 
     @property
     def root_worker(self) -> str:
