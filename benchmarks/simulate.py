@@ -117,7 +117,7 @@ def _fill(row: Row, out: Outcome, t0: float, last_arrival: float = 0.0) -> Row:
 
 def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
     n, size = args.workers, args.size
-    cluster = Cluster(args.gbit * 1e9 / 8, overheads)
+    cluster = Cluster(args.gbit * 1e9 / 8, overheads, block_bytes=args.block_bytes)
     rng = random.Random(args.seed)
     workers = [address(i) for i in range(n)]
     arrivals = {w: rng.uniform(0, args.spread) for w in workers}
@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--scenarios", default="abc", help="which of a (t=0), b (arrivals), c (failures); a always"
     )
+    p.add_argument("--block-bytes", type=parse_bytes, default=Cluster.block_bytes)
     p.add_argument("--hop-latency", type=float, help="seconds; overrides the calibration")
     p.add_argument("--no-dask", dest="dask", action="store_false")
     p.add_argument("--out", default=os.path.join(RESULTS, "simulation-1024"))
