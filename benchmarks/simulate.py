@@ -42,7 +42,13 @@ Run = Callable[[Mapping[str, float] | None, Mapping[str, float] | None], Outcome
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_MEASUREMENTS = [
     os.path.join(RESULTS, f)
-    for f in ("broadcast.json", "broadcast-run2.json", "reduce.json", "reduce-256MiB.json")
+    for f in (
+        "broadcast.json",
+        "broadcast-run2.json",
+        "reduce.json",
+        "reduce-256MiB.json",
+        "scaling.json",  # N = 4, 8, 16 when measured: then setup is fitted too
+    )
 ]
 
 

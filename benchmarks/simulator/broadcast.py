@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from benchmarks.simulator.engine import Engine
 from benchmarks.simulator.network import Buffer, Flow, Network
@@ -69,9 +70,9 @@ class HopliteBroadcast:
     ) -> Outcome:
         for r in self.receivers:
             t = 0.0 if arrivals is None else arrivals[r]
-            self.engine.at(t, lambda now, r=r: self._request(r, now))
+            self.engine.at(t, partial(self._request, r))
         for w, t in (failures or {}).items():
-            self.engine.at(t, lambda now, w=w: self._fail(w, now))
+            self.engine.at(t, partial(self._fail, w))
         self.engine.run()
         live = [r for r in self.receivers if r not in self.dead]
         missing = [r for r in live if r not in self.outcome.finish]
@@ -103,7 +104,7 @@ class HopliteBroadcast:
                 sources=(sender,),
                 lag=self.cluster.lag(self.size),
                 start=now + self.cluster.overheads.setup,
-                on_done=lambda f, t, tid=d.transfer_id: self._done(tid, f, t),
+                on_done=partial(self._done, d.transfer_id),
             )
             self.flows[d.transfer_id] = self.net.add(flow)
             self.history.append(flow)
@@ -184,7 +185,7 @@ def dask_broadcast(
 
     for i in range(1, n_workers):
         r = address(i)
-        engine.at(0.0 if arrivals is None else arrivals[r], lambda now, r=r: start(r, now))
+        engine.at(0.0 if arrivals is None else arrivals[r], partial(start, r))
     engine.run()
     out.seconds = max(out.finish.values())
     out.events = engine.events

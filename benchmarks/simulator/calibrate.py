@@ -20,17 +20,17 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from scipy.optimize import least_squares
 
-from benchmarks.simulator.broadcast import dask_broadcast, hoplite_broadcast
+from benchmarks.simulator.broadcast import Outcome, dask_broadcast, hoplite_broadcast
 from benchmarks.simulator.params import Cluster, MiB, Overheads
 from benchmarks.simulator.reduce import dask_reduce, hoplite_reduce
 
 #: The operations the simulator models, by (collective, op).
-MODELS = {
+MODELS: dict[tuple[str, str], Callable[[Cluster, int, float], Outcome]] = {
     ("broadcast", "hoplite"): hoplite_broadcast,
     ("broadcast", "dask"): dask_broadcast,
     ("reduce", "hoplite"): hoplite_reduce,

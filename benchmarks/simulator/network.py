@@ -305,7 +305,7 @@ class Network:
                 limit[f] = cap
             for b in leaders:
                 if b.inflow in group:
-                    followers.setdefault(b.inflow, []).append(f)  # type: ignore[arg-type]
+                    followers.setdefault(b.inflow, []).append(f)
         residual, load = self._links(unfrozen)
         # Leaders that are not running (not started, stopped) hold followers at 0.
         for leader in list(followers):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from functools import partial
 
 from benchmarks.simulator.broadcast import Outcome
 from benchmarks.simulator.engine import Engine
@@ -83,9 +84,9 @@ class HopliteReduce:
         index = {w: i for i, w in enumerate(self.workers)}
         by_ready = sorted(self.workers, key=lambda w: (ready[w], index[w]))
         t0 = max(ready.values())
-        self.engine.at(t0, lambda now: self._start(by_ready, now))
+        self.engine.at(t0, partial(self._start, by_ready))
         for w, t in (failures or {}).items():
-            self.engine.at(t, lambda now, w=w: self._fail(w, now))
+            self.engine.at(t, partial(self._fail, w))
         self.engine.run()
         if self.remaining or not self.host:
             raise RuntimeError("the reduction did not complete")
@@ -136,7 +137,7 @@ class HopliteReduce:
             sources=tuple(self.recv[c] for c in self.tree.children(v)),
             lag=self.cluster.lag(self.size),
             start=start,
-            on_done=lambda f, t, v=v: self._done(v, f, t),
+            on_done=partial(self._done, v),
         )
         self.net.add(flow)
 
@@ -166,7 +167,7 @@ class HopliteReduce:
             # The parent's request reaches the root; the input is recomputed.
             self.engine.at(
                 now + self.cluster.overheads.setup + self.recompute,
-                lambda t, v=v, r=self.repair: self._replace(v, r, t),
+                partial(self._replace, v, self.repair),
             )
 
     def _replace(self, v: int, repair: TreeRepair, now: float) -> None:
@@ -201,7 +202,7 @@ class HopliteReduce:
         order = colocated_order(self.tree.parent, holders, self.tree.root)
         hosts = [holders[i] for i in order]
         self.outcome.resumes += 1  # counted as a restart of the whole tree
-        self.engine.at(now + self.recompute, lambda t: self._start(hosts, t))
+        self.engine.at(now + self.recompute, partial(self._start, hosts))
 
     def _surviving_worker(self) -> str:
         alive = [w for w in self.workers if w not in self.dead]
@@ -226,6 +227,10 @@ def dask_reduce(cluster: Cluster, n_workers: int, size: float) -> Outcome:
     engine = Engine(net)
     out = Outcome(0.0, depth=1)
     root = address(0)
+
+    def done(f: Flow, now: float) -> None:
+        out.finish[f.src] = now
+
     for i in range(1, n_workers):
         src = address(i)
         net.add(
@@ -234,7 +239,7 @@ def dask_reduce(cluster: Cluster, n_workers: int, size: float) -> Outcome:
                 root,
                 Buffer(size),
                 start=cluster.overheads.setup,
-                on_done=lambda f, t: out.finish.__setitem__(f.src, t),
+                on_done=done,
             )
         )
     engine.run()
