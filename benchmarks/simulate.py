@@ -185,7 +185,7 @@ def print_rows(rows: list[Row]) -> None:
         )
 
 
-def plot(rows: list[Row], path: str) -> None:
+def plot(rows: list[Row], path: str, overheads: Overheads) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,13 +195,19 @@ def plot(rows: list[Row], path: str) -> None:
     labels = [f"{r.collective}\n{r.scenario.split(':')[0]}" for r in hop]
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.bar(range(len(hop)), [r.ratio_bound for r in hop], color="tab:blue", label="x S/B")
+    arr = [(i, r.ratio_arrival_bound) for i, r in enumerate(hop) if r.last_arrival]
+    if arr:
+        xs, ys = zip(*arr, strict=True)
+        ax.plot(xs, ys, "o", color="tab:orange", label="x (last arrival + S/B)")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.axhline(1.5, color="tab:red", lw=0.8, ls="--", label="1.5x target")
     ax.set_xticks(range(len(hop)), labels, fontsize=8)
     ax.set_ylabel("time / (S/B)")
     r0 = rows[0]
     ax.set_title(
-        f"simulated hoplite, {r0.n_workers} workers, {r0.size / 1e9:g} GB, {r0.gbit:g} Gbit/s"
+        f"simulated hoplite, {r0.n_workers} workers, {r0.size / 1e9:g} GB, {r0.gbit:g} Gbit/s, "
+        f"hop latency {overheads.hop_latency * 1e3:.1f} ms",
+        fontsize=10,
     )
     ax.legend()
     fig.tight_layout()
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     print_rows(rows)
     with open(args.out + ".json", "w") as f:
         json.dump({"overheads": asdict(overheads), "rows": [asdict(r) for r in rows]}, f, indent=1)
-    plot(rows, args.out + ".png")
+    plot(rows, args.out + ".png", overheads)
     print(f"wrote {args.out}.json and {args.out}.png")
 
 
