@@ -51,9 +51,6 @@ class Buffer:
     def complete(self) -> bool:
         return self.pos >= self.size - EPS
 
-    def filling_rate(self) -> float:
-        return self.inflow.rate if self.inflow is not None else 0.0
-
 
 @dataclass(eq=False, slots=True)
 class Flow:
@@ -88,14 +85,6 @@ class Flow:
             self.keys = (("m", self.src),)
         else:
             self.keys = (("u", self.src), ("d", self.dst))
-
-    def cap(self) -> float:
-        """The furthest byte this flow may have sent now."""
-        c = self.into.size
-        for b in self.sources:
-            if not b.complete:
-                c = min(c, b.pos - self.lag)
-        return c
 
 
 class Network:
