@@ -48,8 +48,9 @@ def test_refusals_name_the_reason():
     r = TreeRepair(chain(), budget=1, grace=5.0)
     assert "root" in (r.refusal(3) or "")
     assert "no node" in (r.refusal(7) or "")
-    r.begin(0)
-    assert "1 replacements" in (r.refusal(1) or "")
+    r.begin(1)
+    assert "node 1 of reduction r was replaced 1 times" in (r.refusal(1) or "")
+    assert r.refusal(2) is None  # the budget is per node
     r.closed = True
     assert "no longer running" in (r.refusal(1) or "")
 
@@ -64,7 +65,7 @@ def test_a_node_being_repaired_is_not_declared_dead_again():
 
 
 @given(st.lists(st.tuples(st.integers(0, 7), st.sampled_from(["died", "begin", "done"]))))
-def test_replacements_never_exceed_the_budget(events):
+def test_replacements_of_each_node_never_exceed_the_budget(events):
     spec = chain(8)
     r = TreeRepair(spec, budget=3, grace=1.0)
     for t, (slot, what) in enumerate(events):
@@ -74,6 +75,7 @@ def test_replacements_never_exceed_the_budget(events):
             r.begin(slot)
         elif what == "done" and slot in r.repairing:
             r.replaced(slot, f"tcp://new{t}:1")
-    assert r.used <= 3
+    assert all(n <= 3 for n in r.used_by_slot.values())
+    assert r.used == sum(r.used_by_slot.values())
     assert spec.root not in r.repairing
     assert len(r.spec.addresses) == 8

@@ -27,7 +27,11 @@ from dask_hoplite.core.reduce_spec import ReduceSpec
 class TreeRepair:
     """The root's repair state for reduce tree ``spec``.
 
-    ``budget``: replacements the tree may take in all (``hoplite.resume-attempts``).
+    ``budget``: replacements each node of the tree may take
+    (``hoplite.resume-attempts``). Per node, not per tree: a large tree
+    meets failures of distinct workers as a matter of course (1% of 1,024),
+    while a node that keeps dying where it is replaced (an input that kills
+    its worker) must not loop for ever.
     ``grace``: how long a node that died may wait for its parent's request
     before the tree counts as broken (the parent notices a dead child when its
     stream breaks: at once for a killed process, after a stall timeout for a
@@ -37,7 +41,9 @@ class TreeRepair:
     spec: ReduceSpec
     budget: int
     grace: float
-    used: int = 0
+    used: int = 0  # replacements begun, in all
+    #: Replacements begun, per slot.
+    used_by_slot: dict[int, int] = field(default_factory=dict)
     #: The root stopped (result complete, or the tree failed): no more repairs.
     closed: bool = False
     #: Slots whose node died, with the time by which a repair must begin.
@@ -53,8 +59,9 @@ class TreeRepair:
             return f"reduction {self.spec.rid} has no node {slot}"
         if slot == self.spec.root:
             return "the root of a reduce tree is not replaced (its task is rerun)"
-        if self.used >= self.budget:
-            return f"reduction {self.spec.rid} took {self.used} replacements already"
+        n = self.used_by_slot.get(slot, 0)
+        if n >= self.budget:
+            return f"node {slot} of reduction {self.spec.rid} was replaced {n} times already"
         return None
 
     def node_died(self, slot: int, now: float) -> None:
@@ -67,6 +74,7 @@ class TreeRepair:
         self.repairing.add(slot)
         self.dead.pop(slot, None)
         self.used += 1
+        self.used_by_slot[slot] = self.used_by_slot.get(slot, 0) + 1
 
     def abandon(self, slot: int) -> None:
         """Node ``slot`` could not be replaced (the tree breaks)."""
