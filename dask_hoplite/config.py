@@ -76,6 +76,9 @@ class HopliteConfig:
     protect_streams: bool
     buffer_pool_bytes: int
     buffer_pool_idle: float
+    prefault: bool
+    buffer_pool_reserve: int
+    buffer_pool_reserve_regions: int
     reduce_bandwidth: float | None  # bytes per second; None: measured
     reduce_latency: float | None  # seconds per hop; None: measured
     segment_min_bytes: int
@@ -120,6 +123,9 @@ class HopliteConfig:
             protect_streams=bool(_get("amm.protect-streams")),
             buffer_pool_bytes=_bytes("buffer-pool-bytes"),
             buffer_pool_idle=_seconds("buffer-pool-idle"),
+            prefault=bool(_get("prefault")),
+            buffer_pool_reserve=_bytes("buffer-pool-reserve"),
+            buffer_pool_reserve_regions=_count("buffer-pool-reserve-regions"),
             reduce_bandwidth=None
             if _auto("reduce.bandwidth")
             else float(_bytes("reduce.bandwidth")),

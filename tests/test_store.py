@@ -4,6 +4,7 @@ the buffer pool's reuse rules."""
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -308,3 +309,39 @@ def test_partial_copy_adopts_a_local_recomputation_and_its_readers_carry_on():
     with pytest.raises(LayoutChanged, match="another object"):
         other.adopt(ObjectBuffer.from_frames("k", {"x": 1}, [a + 1]))
     assert other.state is BufferState.RECEIVING and other.progress == half
+
+
+def test_reserved_memory_serves_the_first_objects_and_stays():
+    """A worker's reserve (hoplite.buffer-pool-reserve) is mapped up front:
+    the first objects of any size up to it reuse it instead of fresh memory,
+    and neither the pool's capacity nor trimming gives it back."""
+    fresh: list[int] = []
+    pool = BufferPool(capacity=0, on_fresh=lambda region: fresh.append(len(region)))
+    pool.reserve(40 * 2**20, regions=2)
+    assert fresh == [40 * 2**20] * 2  # handed to the prefaulter at once
+    a = pool.allocate(33 * 2**20)  # larger than 1.25x would allow
+    b = pool.allocate(2 * 2**20)
+    assert (pool.reused, pool.allocated) == (2, 0)
+    c = pool.allocate(2 * 2**20)  # the reserve is lent out: fresh memory
+    assert pool.allocated == 1 and fresh[-1] == 2 * 2**20
+    del a, b, c
+    gc.collect()
+    assert pool.trim(0.0, now=time.monotonic() + 1e6) == 0
+    assert pool.idle_bytes == 80 * 2**20  # capacity 0 dropped only the fresh region
+
+
+def test_the_prefaulter_populates_fresh_regions_in_the_background():
+    from dask_hoplite.worker.prefault import Prefaulter
+
+    p = Prefaulter()
+    if not p.enabled:
+        pytest.skip("madvise(MADV_POPULATE_WRITE) is not available here")
+    pool = BufferPool(capacity=0, on_fresh=p.submit)
+    x = pool.allocate(64 * 2**20)
+    deadline = time.monotonic() + 10
+    while p.populated < 64 * 2**20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.populated == 64 * 2**20
+    x[:] = 7  # the memory is the array's, whole and writable
+    assert int(x[-1]) == 7
+    p.close()

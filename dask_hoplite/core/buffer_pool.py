@@ -13,6 +13,7 @@ import mmap
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -34,12 +35,17 @@ class BufferPool:
     capacity:
         Bytes of idle regions kept for reuse (``hoplite.buffer-pool-bytes``);
         beyond it regions are unmapped. 0 disables reuse.
+    on_fresh:
+        Called with every freshly mapped region, before it is used (the
+        worker's :class:`~dask_hoplite.worker.prefault.Prefaulter` faults it
+        in off the receiving thread); must not block.
     """
 
     GRANULE = 2**20  # regions are whole MiB, so same-size objects match
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_fresh: Callable[[mmap.mmap], None] | None = None) -> None:
         self.capacity = capacity
+        self.on_fresh = on_fresh
         self._idle: list[mmap.mmap] = []
         self._since: dict[int, float] = {}  # id(region) -> when it became idle
         # Regions whose handle died, not yet filed into ``_idle``. The
@@ -51,12 +57,30 @@ class BufferPool:
         self._lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
+        #: ids of the regions mapped by :meth:`reserve`: kept for ever, and
+        #: lent to objects smaller than themselves.
+        self._reserve: set[int] = set()
 
     @property
     def idle_bytes(self) -> int:
         with self._lock:
             self._file_returned()
             return sum(len(r) for r in self._idle)
+
+    def reserve(self, nbytes: int, regions: int = 1) -> None:
+        """Map ``regions`` idle regions of ``nbytes`` each ahead of need (the
+        ``on_fresh`` hook faults them in in the background), so that the
+        first transfers of a fresh worker find warm memory. A reserved region
+        is never trimmed or evicted, and serves any object up to its size
+        (the rest of it idles meanwhile)."""
+        size = -(-nbytes // self.GRANULE) * self.GRANULE
+        for _ in range(regions if size > 0 else 0):
+            region = mmap.mmap(-1, size)
+            if self.on_fresh is not None:
+                self.on_fresh(region)
+            with self._lock:
+                self._reserve.add(id(region))
+                self._idle.append(region)
 
     def allocate(self, nbytes: int) -> np.ndarray:
         """An uninitialised byte array of exactly ``nbytes``."""
@@ -66,7 +90,11 @@ class BufferPool:
         region = None
         with self._lock:
             self._file_returned()
-            fits = [i for i, r in enumerate(self._idle) if size <= len(r) <= size + size // 4]
+            fits = [
+                i
+                for i, r in enumerate(self._idle)
+                if size <= len(r) <= size + size // 4 or (id(r) in self._reserve and size <= len(r))
+            ]
             if fits:
                 region = self._idle.pop(min(fits, key=lambda i: len(self._idle[i])))
                 self._since.pop(id(region), None)
@@ -77,6 +105,8 @@ class BufferPool:
             # memory synchronously.
             region = mmap.mmap(-1, size)
             self.allocated += 1
+            if self.on_fresh is not None:
+                self.on_fresh(region)
         # The handle is the only exporter of the region's bytes: a ctypes
         # array over the mmap. Every numpy array and memoryview derived from
         # the returned array (numpy collapses view bases only through
@@ -110,9 +140,12 @@ class BufferPool:
             region, since = self._returned.popleft()
             self._idle.append(region)
             self._since[id(region)] = since
-        total = sum(len(r) for r in self._idle)
-        while self._idle and total > self.capacity:
-            old = self._idle.pop(0)  # oldest first
+        evictable = [r for r in self._idle if id(r) not in self._reserve]
+        total = sum(len(r) for r in evictable)
+        for old in evictable:  # oldest first
+            if total <= self.capacity:
+                break
+            self._idle.remove(old)
             self._since.pop(id(old), None)
             total -= len(old)
 
@@ -126,7 +159,7 @@ class BufferPool:
             self._file_returned()
             keep = []
             for r in self._idle:
-                if now - self._since.get(id(r), now) > max_idle:
+                if id(r) not in self._reserve and now - self._since.get(id(r), now) > max_idle:
                     self._since.pop(id(r), None)
                     freed += len(r)
                 else:
@@ -139,3 +172,4 @@ class BufferPool:
             self._returned.clear()
             self._idle.clear()
             self._since.clear()
+            self._reserve.clear()

@@ -33,6 +33,7 @@ from dask_hoplite.worker.allreduce import Allreduce
 from dask_hoplite.worker.context import PLUGIN_NAME, WorkerContext
 from dask_hoplite.worker.metrics import WORKER_SERIES
 from dask_hoplite.worker.partial_copies import PartialCopies
+from dask_hoplite.worker.prefault import Prefaulter
 from dask_hoplite.worker.progress import METRIC, ProgressReport
 from dask_hoplite.worker.receiver import DaskFetchPaths, Receiver
 from dask_hoplite.worker.reduce_node import ReduceNodes
@@ -61,10 +62,14 @@ class WorkerParts:
     allreduce: Allreduce
     small_allreduce: SmallAllreduce
     aggregates: AggregateTakeover
+    prefaulter: Prefaulter | None
 
     @classmethod
     def build(cls, worker: Worker, config: HopliteConfig) -> WorkerParts:
-        ctx = WorkerContext(worker, BlockStore(BufferPool(config.buffer_pool_bytes)), config)
+        prefaulter = Prefaulter() if config.prefault else None
+        pool = BufferPool(config.buffer_pool_bytes, prefaulter.submit if prefaulter else None)
+        pool.reserve(config.buffer_pool_reserve, config.buffer_pool_reserve_regions)
+        ctx = WorkerContext(worker, BlockStore(pool), config)
         receiver = Receiver(ctx)
         reductions = RunningReductions(ctx)
         nodes = ReduceNodes(ctx, reductions)
@@ -78,6 +83,7 @@ class WorkerParts:
             reductions=reductions,
             nodes=nodes,
             roots=roots,
+            prefaulter=prefaulter,
             allreduce=Allreduce(ctx, reductions, roots, receiver.fetch_parts),
             small_allreduce=SmallAllreduce(ctx, receiver.fetch_parts),
             aggregates=AggregateTakeover(ctx, roots, receiver.fetch_parts),
@@ -152,6 +158,8 @@ class HopliteWorker(WorkerPlugin):
         if p is None:
             return
         p.ctx.closed = True
+        if p.prefaulter is not None:
+            p.prefaulter.close()
         WORKER_SERIES.remove(p.ctx)
         logs.off_worker_log(getattr(worker, "_deque_handler", None))
         if isinstance(worker.metrics.get(METRIC), ProgressReport):
