@@ -1,7 +1,8 @@
 """MPI peers for the emulated-cluster benchmarks: mpi4py on Open MPI.
 
 Runs mpi4py's buffer-based collectives (``Bcast``, ``Reduce`` with ``MPI.SUM``,
-``Allreduce``, ``Gather``) of S bytes of float64 on an ``EmulatedCluster``: one
+``Allreduce``, ``Gather``, ``Allgather``; and a round trip, ``Send``/``Recv``
+from rank 0 to rank 1 and back) of S bytes of float64 on an ``EmulatedCluster``: one
 rank per worker host (N ranks, rank i on host ``w{i}``), rank 0 the root, so
 that ``broadcast.py`` and ``reduce.py`` can show Dask, hoplite and MPI side by
 side with the same ratio to the physical bound.
@@ -63,7 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-COLLECTIVES = ("bcast", "reduce", "allreduce", "gather")
+COLLECTIVES = ("bcast", "reduce", "allreduce", "gather", "allgather", "roundtrip")
 VARIANTS = ("mpi", "mpi-tuned")
 
 # Method names used by broadcast.py and reduce.py.
@@ -107,6 +108,9 @@ TUNED_MCA: dict[str, dict[str, str]] = {
         "coll_tuned_gather_algorithm": "3",
         "coll_tuned_gather_algorithm_segmentsize": "1048576",
     },
+    # 4 = ring: every NIC carries (N-1) S each way, the bound; not trial-picked.
+    "allgather": {"coll_tuned_allgather_algorithm": "4"},
+    "roundtrip": {},  # point to point: no collective algorithm to pick
 }
 
 _MARK = "HPLMPI "
@@ -302,7 +306,7 @@ def run(
     if collective not in COLLECTIVES or variant not in VARIANTS:
         raise ValueError(f"unknown collective/variant {collective!r}/{variant!r}")
     n = ec.n_workers
-    bound = size / ec.rate_bytes_per_s * (n - 1 if collective == "gather" else 2)
+    bound = size / ec.rate_bytes_per_s * (n - 1 if collective.endswith("gather") else 2)
     if timeout is None:
         timeout = 60 + 20 * bound * (reps + 1)
     tmp = tempfile.mkdtemp(prefix="hplmpi")
@@ -453,22 +457,27 @@ def rank_main(collective: str, size: int, reps: int) -> int:
     recv: Any = None
     if collective == "allreduce" or (collective == "reduce" and rank == root):
         recv = np.zeros(count)
-    elif collective == "gather" and rank == root:
+    elif (collective == "gather" and rank == root) or collective == "allgather":
         recv = np.zeros(n * count)
+    elif collective == "roundtrip":
+        recv = np.zeros(count)
 
     def cpu_s() -> float:
         ru = resource.getrusage(resource.RUSAGE_SELF)
         return ru.ru_utime + ru.ru_stime
 
     def check(rep: int) -> bool:
-        if collective == "bcast":
+        if collective in ("bcast", "roundtrip"):
             want = float(rep + 1)
-            return bool((send[::stride] == want).all() and send[-1] == want)
+            got = recv if collective == "roundtrip" else send
+            if collective == "roundtrip" and rank != root:
+                return True
+            return bool((got[::stride] == want).all() and got[-1] == want)
         if collective == "reduce" and rank != root:
             return True
         if collective in ("reduce", "allreduce"):
             return bool((recv[::stride] == total).all() and recv[-1] == total)
-        if rank != root:
+        if rank != root and collective == "gather":
             return True
         blocks = recv.reshape(n, count)
         want_g = np.arange(1, n + 1, dtype=float)[:, None]
@@ -479,7 +488,7 @@ def rank_main(collective: str, size: int, reps: int) -> int:
         print(_READY, flush=True)
     records = []
     for rep in range(reps + 1):
-        if collective == "bcast":
+        if collective in ("bcast", "roundtrip"):
             send.fill(float(rep + 1) if rank == root else 0.0)
         else:
             send.fill(float(rank + 1))
@@ -495,8 +504,16 @@ def rank_main(collective: str, size: int, reps: int) -> int:
             comm.Reduce(send, recv, op=MPI.SUM, root=root)
         elif collective == "allreduce":
             comm.Allreduce(send, recv, op=MPI.SUM)
-        else:
+        elif collective == "gather":
             comm.Gather(send, recv, root=root)
+        elif collective == "allgather":
+            comm.Allgather(send, recv)
+        elif rank == root:  # roundtrip
+            comm.Send(send, dest=1)
+            comm.Recv(recv, source=1)
+        elif rank == 1:
+            comm.Recv(send, source=root)
+            comm.Send(send, dest=root)
         t1 = MPI.Wtime()
         comm.Barrier()
         rx1, tx1 = _nic_counters()
@@ -552,9 +569,10 @@ def main(argv: list[str] | None = None) -> int:
             for variant in args.variants:
                 t = time.perf_counter()
                 r = run(ec, collective, size, args.reps, variant, extra_mca=args.mca)
-                factor = {"allreduce": 2 * (ec.n_workers - 1) / ec.n_workers}.get(
-                    collective, ec.n_workers - 1 if collective == "gather" else 1.0
-                )
+                factor = {
+                    "allreduce": 2 * (ec.n_workers - 1) / ec.n_workers,
+                    "roundtrip": 2.0,
+                }.get(collective, ec.n_workers - 1 if collective.endswith("gather") else 1.0)
                 bound = factor * size / ec.rate_bytes_per_s
                 print(
                     f"{variant:<10} {collective:<10} N={r.n} {format_bytes(size)} "
