@@ -68,10 +68,13 @@ def fits(op: str, n: int, size: int, available_bytes: float, share: float = 0.85
 def plan(
     ops: Sequence[str], sizes: Sequence[int], n: int, available_bytes: float
 ) -> tuple[list[tuple[int, list[str]]], list[tuple[int, str]]]:
-    """(grid of (size, operations) to run, (size, operation) pairs left out for memory)."""
+    """(grid of (size, operations) to run, (size, operation) pairs left out for
+    memory). At each size the operations that hold the most memory run last, so
+    that one stopped for memory (``wait_watched``) costs only itself."""
     grid, skipped = [], []
     for size in sizes:
         run_ops = [op for op in ops if fits(op, n, size, available_bytes)]
+        run_ops.sort(key=lambda op: resident_bytes(op, n, size))
         skipped += [(size, op) for op in ops if op not in run_ops]
         if run_ops:
             grid.append((size, run_ops))
@@ -149,7 +152,7 @@ def format_table(rows: Sequence[dict]) -> str:
         lines.append(
             f"{r['op']:<10} {format_bytes(r['size']):>9} {r['system']:<10} "
             f"{_cell(cold, '8.4f')} {_cell(r['seconds'], '9.4f')} "
-            f"{r['bound_seconds']:>8.4f} {_cell(r['x_bound'], '8.2f')} "
+            f"{r['bound_seconds']:>8.3g} {_cell(r['x_bound'], '8.2f')} "
             f"{_cell(r['x_dask'], '7.2f')}  {note}"
         )
     return "\n".join(lines)
@@ -158,14 +161,15 @@ def format_table(rows: Sequence[dict]) -> str:
 def format_markdown(rows: Sequence[dict]) -> str:
     """The same table as Markdown (for docs/benchmarks.md)."""
     out = [
-        "| operation | S | system | seconds | x bound | x dask | note |",
-        "| --- | ---: | --- | ---: | ---: | ---: | --- |",
+        "| operation | S | system | seconds | bound s | x bound | x dask | note |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in sorted(rows, key=lambda r: (OPERATIONS.index(r["op"]), r["size"])):
         note = r["note"] if r["available"] else f"not available: {r['note']}"
         out.append(
             f"| {r['op']} | {format_bytes(r['size'])} | {r['system']} | "
-            f"{_cell(r['seconds'], '.4f')} | {_cell(r['x_bound'], '.2f')} | "
+            f"{_cell(r['seconds'], '.4f')} | {r['bound_seconds']:.3g} | "
+            f"{_cell(r['x_bound'], '.2f')} | "
             f"{_cell(r['x_dask'], '.2f')} | {note} |"
         )
     return "\n".join(out)
@@ -213,6 +217,32 @@ def plot(rows: Sequence[dict], out_prefix: str, n: int, rate_mbit: float) -> lis
 # ------------------------------------------------------------ main
 
 
+def merged(path: str, results: Sequence[Measured]) -> list[Measured]:
+    """``results`` plus the saved ones in ``path`` that they do not replace
+    (same system, operation and size)."""
+    if not os.path.exists(path):
+        return list(results)
+    with open(path) as f:
+        saved = json.load(f)["rows"]
+    names = set(Measured.__dataclass_fields__)
+    new = {(m.system, m.op, m.size) for m in results}
+    old = [Measured(**{k: v for k, v in r.items() if k in names}) for r in saved]
+    return [m for m in old if (m.system, m.op, m.size) not in new] + list(results)
+
+
+def save(path: str, results: Sequence[Measured], args: argparse.Namespace) -> list[dict]:
+    """Write the JSON (after every system, so a cut-off run keeps what it
+    measured); with ``--merge``, keep the saved rows that this run did not redo."""
+    if args.merge:
+        results = merged(path, results)
+    rows = rows_for_table(results, args.rate_mbit * 1e6 / 8)
+    meta = {"n": args.workers, "rate_mbit": args.rate_mbit, "reps": args.reps}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return rows
+
+
 def measure_all(args: argparse.Namespace, sizes: list[int]) -> list[Measured]:
     import psutil
 
@@ -239,6 +269,7 @@ def measure_all(args: argparse.Namespace, sizes: list[int]) -> list[Measured]:
                     for op in ops
                 ]
             print(f"# {system}: {time.perf_counter() - t:.0f}s", flush=True)
+            save(args.out + ".json", results, args)
     return results
 
 
@@ -254,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2, help="warm reps after one cold rep")
     p.add_argument("--out", default="benchmarks/results/peers")
     p.add_argument("--show", action="store_true", help="re-print and re-plot the saved JSON")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown too")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of the saved JSON that this run does not redo (rerun one system)",
+    )
     args = p.parse_args(argv)
     sizes = [parse_bytes(s) for s in args.sizes]
     if args.show:
@@ -261,14 +298,11 @@ def main(argv: list[str] | None = None) -> int:
             saved = json.load(f)
         rows, meta = saved["rows"], saved["meta"]
     else:
-        results = measure_all(args, sizes)
-        rate = args.rate_mbit * 1e6 / 8
-        rows = rows_for_table(results, rate)
-        meta = {"n": args.workers, "rate_mbit": args.rate_mbit, "reps": args.reps}
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        rows = save(args.out + ".json", measure_all(args, sizes), args)
+        meta = {"n": args.workers, "rate_mbit": args.rate_mbit}
     print(format_table(rows))
+    if args.markdown:
+        print("\n" + format_markdown(rows))
     paths = plot(rows, args.out, meta["n"], meta["rate_mbit"])
     print(f"\nwrote {args.out}.json and {', '.join(paths)}")
     return 0

@@ -16,7 +16,13 @@ duplex, N hosts):
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import statistics
+import subprocess
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 COLLECTIVES = ("broadcast", "reduce", "allreduce", "gather", "allgather")
@@ -79,3 +85,35 @@ def mark(payload: str) -> str:
 def unmark(text: str) -> list[str]:
     """The payloads of the result lines in ``text``."""
     return [ln[len(_MARK) :] for ln in text.splitlines() if ln.startswith(_MARK)]
+
+
+MIN_FREE_BYTES = 1 << 30
+
+
+def wait_watched(
+    procs: Sequence[subprocess.Popen], timeout: float, min_free: int = MIN_FREE_BYTES
+) -> str:
+    """Wait for ``procs`` (each its own process group); "" when they all ended,
+    else why they were killed: the timeout, or this machine's free memory
+    falling under ``min_free`` (a peer's largest allgather can hold N*N
+    objects, and the machine is shared)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    why = ""
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            why = f"did not finish in {timeout:.0f}s"
+        elif psutil.virtual_memory().available < min_free:
+            why = f"stopped: free memory fell below {min_free / 2**30:.0f} GiB"
+        else:
+            time.sleep(0.25)
+            continue
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+        break
+    return why

@@ -48,7 +48,13 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.peers_common import Measured, bound_seconds, mark, unmark  # noqa: E402
+from benchmarks.peers_common import (  # noqa: E402
+    Measured,
+    bound_seconds,
+    mark,
+    unmark,
+    wait_watched,
+)
 
 OBJECT_STORE_BYTES = 2_500_000_000  # an allgather of 8 x 256 MiB needs 2.15 GB per host
 PORT = 6379
@@ -244,21 +250,22 @@ def run(ec: Any, grid: Sequence[tuple[int, Sequence[str]]], reps: int) -> list[M
         argv += ["--grid", json.dumps([[s, list(ops)] for s, ops in grid])]
         est = sum(bound_seconds(op, n, s, ec.rate_bytes_per_s) for s, ops in grid for op in ops)
         timeout = 300 + 10 * est * (reps + 1)
-        try:
-            r = subprocess.run(
+        log = os.path.join(tmp, "driver.log")
+        with open(log, "w") as f:
+            driver = subprocess.Popen(
                 [*ec.exec_prefix("sched"), *argv],
-                capture_output=True,
-                text=True,
+                stdout=f,
+                stderr=subprocess.STDOUT,
                 env=_env(),
-                timeout=timeout,
+                start_new_session=True,
             )
-            out = r.stdout
-            if r.returncode != 0:
-                why = f"driver exited {r.returncode}"
-                print(f"# ray driver failed:\n{r.stderr[-3000:]}", file=sys.stderr, flush=True)
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            why = f"driver did not finish in {timeout:.0f}s"
+        why = wait_watched([driver], timeout)
+        with open(log) as f:
+            out = f.read()
+        if not why and driver.returncode:
+            why = f"driver exited {driver.returncode}"
+        if why:
+            print(f"# ray driver: {why}; its output:\n{out[-3000:]}", file=sys.stderr, flush=True)
     except Exception as e:  # noqa: BLE001 - reported in the table
         why = f"{type(e).__name__}: {str(e)[:200]}"
     finally:
@@ -274,6 +281,7 @@ def run(ec: Any, grid: Sequence[tuple[int, Sequence[str]]], reps: int) -> list[M
             else:
                 note = d["note"] or ("" if d["ok"] else "WRONG RESULT")
                 rows.append(Measured("ray", op, size, n, d["times"], d["ok"], note))
+            print(f"# ray {op} {size}: {rows[-1].all_seconds} {rows[-1].note}", flush=True)
     return rows
 
 
