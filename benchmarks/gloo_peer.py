@@ -5,8 +5,10 @@ Rank i runs in host ``w{i}``'s namespace (``GLOO_SOCKET_IFNAME=eth0``,
 ``MASTER_ADDR`` = host ``w0``'s emulated address), rank 0 is the root. The
 operations, on float64 tensors of S bytes: ``dist.broadcast``, ``dist.reduce``
 (``SUM``), ``dist.all_reduce``, ``dist.gather``, ``dist.all_gather_into_tensor``
-(in place: the input is the rank's slot of the output; ``dist.all_gather`` into
-a list copies through a flat buffer and so holds 2N objects per rank); the round
+(in place: the input is the rank's slot of the output, so a rank holds N objects
+rather than the N + 1 of ``dist.all_gather`` into a list; at 8 x 256 MiB the
+ranks still drove this 24 GiB machine's free memory under 1 GiB, as if the
+backend gathered through a buffer of its own); the round
 trip is ``dist.send``/``dist.recv`` from rank 0 to rank 1 and back.
 
 Timing as in ``mpi_peers.py``: all ranks meet in a barrier, each rank times
@@ -63,7 +65,7 @@ def _buffers(op: str, count: int, rank: int, n: int, rep: int) -> dict[str, Any]
         return {"x": torch.full((count,), float(rep + 1) if rank == 0 else 0.0, dtype=f64)}
     if op == "allgather":
         # In place: this rank's input is its slot of the output (N objects per
-        # rank, not N + 1: at 8 x 256 MiB the cluster holds 16 GiB, not 18).
+        # rank in our buffers, not N + 1).
         flat = torch.zeros(n * count, dtype=f64)
         x = flat[rank * count : (rank + 1) * count]
         x.fill_(float(rank + 1))
@@ -89,7 +91,6 @@ def _call(op: str, b: dict[str, Any], rank: int) -> None:
     elif op == "gather":
         dist.gather(b["x"], b.get("out"), dst=0)
     elif op == "allgather":
-        # the tensor API: all_gather into a list goes through a flat copy (2N objects)
         dist.all_gather_into_tensor(b["flat"], b["x"])
     elif rank == 0:  # roundtrip
         dist.send(b["x"], dst=1)

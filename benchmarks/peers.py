@@ -133,7 +133,9 @@ def rows_for_table(results: Sequence[Measured], rate: float) -> list[dict]:
 
 
 def _cell(v: float | None, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
+    """``v`` formatted, or "-" in the same width when there is no value."""
+    width = int(fmt.split(".")[0] or 0)
+    return "-".rjust(width) if v is None else format(v, fmt)
 
 
 def format_table(rows: Sequence[dict]) -> str:
