@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -179,6 +180,7 @@ def _launch(ec: Any, ops: Sequence[str], size: int, reps: int, timeout: float) -
     if why:
         tail = "".join(open(lg).read()[-1500:] for lg in logs[:2])
         print(f"# gloo {why}; rank logs:\n{tail}", file=sys.stderr, flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     return out, why
 
 
