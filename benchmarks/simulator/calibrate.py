@@ -64,6 +64,8 @@ def load(paths: Iterable[str], min_size: int = 16 * MiB) -> list[Measurement]:
         for e in entries:
             if not isinstance(e, dict) or "op" not in e or not e.get("ok", True):
                 continue
+            if int(e.get("workers_per_host", 1)) != 1:
+                continue  # the simulator models one worker per host
             coll = e.get("collective") or ("reduce" if "reduce" in name else "broadcast")
             seconds = float(e.get("seconds", math.inf))
             if (coll, e["op"]) not in MODELS or e["size"] < min_size or not math.isfinite(seconds):
@@ -88,8 +90,12 @@ def predict(m: Measurement, overheads: Overheads) -> float:
 
 
 def fit(data: list[Measurement], start: Overheads | None = None) -> tuple[Overheads, list[str]]:
-    """The overheads that fit ``data`` best, and the names of those fitted."""
+    """The overheads that fit ``data``'s hoplite entries best, and the names
+    of those fitted. Dask's entries are predicted, not fitted: the star model
+    is an upper bound for Dask (its receivers also fetch from receivers that
+    finished), and fitting it would pull the overheads away from hoplite's."""
     start = start or Overheads()
+    data = [m for m in data if m.op == "hoplite"] or data
     sizes = {m.n_workers for m in data if m.op == "hoplite"}
     names = ["efficiency", "hop_latency"] + (["setup"] if len(sizes) > 1 else [])
     if not data:
