@@ -368,8 +368,9 @@ def test_a_reduction_on_one_thread_does_not_wait_on_itself():
     finishes (it used to hang: Dask counts a running coroutine task against
     the worker's threads)."""
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0")
-        as cluster,
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
         Client(cluster) as c,
     ):
         c.register_plugin(dh.Hoplite())
