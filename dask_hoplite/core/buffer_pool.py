@@ -75,9 +75,7 @@ class BufferPool:
         (the rest of it idles meanwhile)."""
         size = -(-nbytes // self.GRANULE) * self.GRANULE
         for _ in range(regions if size > 0 else 0):
-            region = mmap.mmap(-1, size)
-            if self.on_fresh is not None:
-                self.on_fresh(region)
+            region = self._map(size)
             with self._lock:
                 self._reserve.add(id(region))
                 self._idle.append(region)
@@ -103,10 +101,8 @@ class BufferPool:
             # Anonymous mmap, not np.empty: numpy advises huge pages for large
             # arrays, and with THP defrag "madvise" a fault may then compact
             # memory synchronously.
-            region = mmap.mmap(-1, size)
+            region = self._map(size)
             self.allocated += 1
-            if self.on_fresh is not None:
-                self.on_fresh(region)
         # The handle is the only exporter of the region's bytes: a ctypes
         # array over the mmap. Every numpy array and memoryview derived from
         # the returned array (numpy collapses view bases only through
@@ -119,6 +115,13 @@ class BufferPool:
         handle = (ctypes.c_char * nbytes).from_buffer(region)
         weakref.finalize(handle, self._give_back, region)
         return np.frombuffer(handle, dtype=np.uint8)  # type: ignore[call-overload]
+
+    def _map(self, size: int) -> mmap.mmap:
+        """A fresh region, handed to ``on_fresh``."""
+        region = mmap.mmap(-1, size)
+        if self.on_fresh is not None:
+            self.on_fresh(region)
+        return region
 
     def _give_back(self, region: mmap.mmap) -> None:
         # Runs as a finalizer, possibly inside a locked section of this same

@@ -334,14 +334,9 @@ class ObjectDirectory:
         t = Transfer(next(self._ids), rec.key, sender, receiver, depth)
         self.transfers[t.transfer_id] = t
         rec.incoming[receiver] = t
-        n = rec.uploads.get(sender, 0) + 1
-        rec.uploads[sender] = n
-        if host_of(sender) == host_of(receiver):
-            rec.local_uploads[sender] = rec.local_uploads.get(sender, 0) + 1
-        else:
-            h = host_of(sender)
-            rec.nic_uploads[h] = rec.nic_uploads.get(h, 0) + 1
-        rec.peak_uploads = max(rec.peak_uploads, n)
+        for counts, name in _counters(rec, sender, receiver):
+            counts[name] = counts.get(name, 0) + 1
+        rec.peak_uploads = max(rec.peak_uploads, rec.uploads[sender])
         rec.edges.append((sender, receiver))
         if len(rec.edges) > self.max_edges:
             del rec.edges[: len(rec.edges) - self.max_edges]
@@ -351,12 +346,12 @@ class ObjectDirectory:
         self.transfers.pop(t.transfer_id, None)
         if rec.incoming.get(t.receiver) is t:
             del rec.incoming[t.receiver]
-        h = host_of(t.sender)
-        _decrement(rec.uploads, t.sender)
-        if h == host_of(t.receiver):
-            _decrement(rec.local_uploads, t.sender)
-        else:
-            _decrement(rec.nic_uploads, h)
+        for counts, name in _counters(rec, t.sender, t.receiver):
+            n = counts.get(name, 0) - 1
+            if n > 0:
+                counts[name] = n
+            else:
+                counts.pop(name, None)
 
     def _drain(self, rec: ObjectRecord) -> list[Decision]:
         """Serve queued receivers now that something changed."""
@@ -376,9 +371,11 @@ class ObjectDirectory:
             self.objects.pop(rec.key, None)
 
 
-def _decrement(counts: dict[str, int], name: str) -> None:
-    n = counts.get(name, 0) - 1
-    if n > 0:
-        counts[name] = n
-    else:
-        counts.pop(name, None)
+def _counters(rec: ObjectRecord, sender: str, receiver: str) -> list[tuple[dict[str, int], str]]:
+    """The counts a stream from ``sender`` to ``receiver`` is in: its
+    sender's uploads, and its sender's local uploads (same host) or its
+    sender host's NIC uploads (another host)."""
+    h = host_of(sender)
+    if h == host_of(receiver):
+        return [(rec.uploads, sender), (rec.local_uploads, sender)]
+    return [(rec.uploads, sender), (rec.nic_uploads, h)]

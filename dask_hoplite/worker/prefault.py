@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import queue
+import sys
 import threading
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ CHUNK_BYTES = 8 * 2**20
 
 
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if not hasattr(os, "sched_getaffinity"):  # not Linux
+    if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
