@@ -26,6 +26,11 @@ The rules follow Hoplite (Zhuang et al., SIGCOMM 2021):
   requester is never chosen (it depends on the requester: deadlock).
 * With every holder saturated, the request queues until capacity frees; the
   senders it gave up on stay excluded when it is served.
+* A key may carry a plan (:meth:`ObjectDirectory.plan_split`: one part of a
+  split-tree broadcast, :mod:`dask_hoplite.core.split_trees`): a planned
+  receiver streams from its planned sender, waiting for it to be assigned
+  first if need be, whatever the fan-out count says; a receiver whose planned
+  sender died or was given up falls back to the rules above.
 * When Dask loses every complete copy (its holders died), the partial copies
   keep streaming from one another and stay on record: the recomputed copy
   and the receivers that come back join the tree that is still running.
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 from dask.typing import Key  # noqa: E402
 
 from dask_hoplite.core.hosts import host_of
+from dask_hoplite.core.split_trees import SplitPart, split_tree_parents
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,10 @@ class ObjectRecord:
     peak_uploads: int = 0
     #: Every (sender, receiver) edge this key travelled, for inspection.
     edges: list[tuple[str, str]] = field(default_factory=list)
+    #: Planned sender per receiver (a split-tree broadcast's part), if any.
+    planned: dict[str, str] = field(default_factory=dict)
+    #: All parts of that broadcast (this key among them); empty otherwise.
+    siblings: tuple[Key, ...] = ()
 
     def copies(self) -> set[str]:
         return self.complete | self.holders
@@ -133,9 +143,20 @@ class ObjectDirectory:
         self.max_edges = max_edges
         self.objects: dict[Key, ObjectRecord] = {}
         self.transfers: dict[int, Transfer] = {}
+        #: Keys announced as parts of a split-tree broadcast, not yet requested.
+        self.split_parts: dict[Key, SplitPart] = {}
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ events
+
+    def plan_split(self, keys: list[Key], receivers: Iterable[str]) -> None:
+        """``keys[j]`` is part ``j`` of an object broadcast to ``receivers``
+        in ``len(keys)`` parts: at each key's first request its receivers get
+        the senders :func:`~dask_hoplite.core.split_trees.split_tree_parents`
+        plans from the holder it has then."""
+        rs = tuple(dict.fromkeys(receivers))
+        for j, key in enumerate(keys):
+            self.split_parts[key] = SplitPart(j, tuple(keys), rs)
 
     def request(
         self,
@@ -154,6 +175,12 @@ class ObjectDirectory:
         if rec is None:
             rec = self.objects[key] = ObjectRecord(key)
         rec.holders = set(holders)
+        split = self.split_parts.get(key)
+        if split is not None and rec.holders:
+            del self.split_parts[key]
+            source = min(rec.holders)
+            plans = split_tree_parents(source, split.receivers, len(split.keys))
+            rec.planned, rec.siblings = plans[split.part], split.keys
         existing = rec.incoming.get(receiver)
         if existing is not None:
             # The receiver asks again while its transfer is active: it gave up
@@ -181,6 +208,27 @@ class ObjectDirectory:
         decisions = self._drain(rec)
         self._maybe_drop(rec)
         return decisions
+
+    def drain(self, key: Key) -> list[Decision]:
+        """Serve the receivers of ``key`` that can be served now (after a
+        request: a planned sender was just assigned, so the receivers planned
+        to stream from it can start)."""
+        rec = self.objects.get(key)
+        return [] if rec is None else self._drain(rec)
+
+    def waits_for_plan(self, key: Key, receiver: str) -> bool:
+        """Whether ``receiver`` is queued for its planned sender of ``key``."""
+        rec = self.objects.get(key)
+        return rec is not None and receiver in rec.queue and receiver in rec.planned
+
+    def unplan(self, key: Key, receiver: str) -> list[Decision]:
+        """``receiver`` waited long enough for its planned sender (which may
+        wait for a key ``receiver`` itself fetches only later): the
+        directory's own rules serve it from now on."""
+        rec = self.objects.get(key)
+        if rec is None or rec.planned.pop(receiver, None) is None:
+            return []
+        return self._drain(rec)
 
     def cancel_request(self, key: Key, receiver: str) -> None:
         """A queued receiver stopped waiting (timeout, or it went away)."""
@@ -212,10 +260,16 @@ class ObjectDirectory:
     def worker_removed(self, address: str) -> list[Decision]:
         """A worker left the cluster: all its copies and streams are gone."""
         decisions: list[Decision] = []
+        for key, split in self.split_parts.items():
+            if address in split.receivers:
+                rs = tuple(r for r in split.receivers if r != address)
+                self.split_parts[key] = SplitPart(split.part, split.keys, rs)
         for rec in list(self.objects.values()):
             rec.complete.discard(address)
             rec.holders.discard(address)
             rec.queue.pop(address, None)
+            # Its planned receivers fall back to the directory's own rules.
+            rec.planned = {r: s for r, s in rec.planned.items() if address not in (r, s)}
             for t in list(rec.incoming.values()):
                 if address in (t.sender, t.receiver):
                     self._end_transfer(rec, t)
@@ -243,6 +297,7 @@ class ObjectDirectory:
 
     def forget(self, key: Key) -> list[Decision]:
         """Dask released ``key`` everywhere: drop everything about it."""
+        self.split_parts.pop(key, None)
         rec = self.objects.pop(key, None)
         if rec is None:
             return []
@@ -281,6 +336,10 @@ class ObjectDirectory:
     def _assign(
         self, rec: ObjectRecord, receiver: str, exclude: frozenset[str] = frozenset()
     ) -> Decision:
+        if receiver in rec.planned:
+            planned = self._planned(rec, receiver, exclude)
+            if planned is not None:
+                return planned
         # A holder that is itself still receiving serves from its partial
         # buffer: it counts as partial (and may depend on the requester).
         copies = rec.copies() - {receiver} - rec.incoming.keys() - exclude
@@ -299,7 +358,53 @@ class ObjectDirectory:
             # The key is on this host already, or on its way in: take it from
             # there, or wait for it; never across the NIC a second time.
             return self._pick(rec, receiver, local_copies, local_partial, rec.local_uploads)
+        if rec.siblings:
+            spare = self._spare_slot(rec, receiver, list(copies), partial)
+            if spare is not None:
+                return spare
         return self._pick(rec, receiver, list(copies), partial, rec.nic_uploads, by_host=True)
+
+    def _spare_slot(
+        self, rec: ObjectRecord, receiver: str, copies: list[str], partial: list[Transfer]
+    ) -> Assign | None:
+        """A sender for a part of a split-tree broadcast off its plan (its
+        planned sender died): the nearest copy whose host sends fewer than
+        ``parts`` streams of all the parts together. Every NIC carries
+        ``parts`` streams in the plan; a dead worker frees one slot in each
+        part's tree above it, as many as its children need."""
+
+        def load(a: str) -> int:
+            h = host_of(a)
+            return sum(
+                self.objects[k].nic_uploads.get(h, 0) for k in rec.siblings if k in self.objects
+            )
+
+        options = [(0, load(a), a) for a in copies]
+        options += [(t.depth, load(t.receiver), t.receiver) for t in partial]
+        options = [o for o in options if o[1] < len(rec.siblings)]
+        if not options:
+            return None
+        depth, _, sender = min(options)
+        return self._start(rec, sender, receiver, depth=depth + 1)
+
+    def _planned(
+        self, rec: ObjectRecord, receiver: str, exclude: frozenset[str]
+    ) -> Assign | Queued | None:
+        """Its planned sender, if it can serve (None: the plan is dropped for
+        this receiver, which the directory's rules serve)."""
+        planned = rec.planned[receiver]
+        t = rec.incoming.get(planned)
+        if planned in exclude:
+            pass  # given up on
+        elif t is not None:
+            if t.sender not in exclude and not self._depends_on(rec, planned, receiver):
+                return self._start(rec, planned, receiver, depth=t.depth + 1)
+        elif planned in rec.copies():
+            return self._start(rec, planned, receiver, depth=1)
+        else:
+            return Queued(rec.key, receiver)  # until its sender is assigned
+        del rec.planned[receiver]
+        return None
 
     def _pick(
         self,
@@ -356,14 +461,20 @@ class ObjectDirectory:
     def _drain(self, rec: ObjectRecord) -> list[Decision]:
         """Serve queued receivers now that something changed."""
         out: list[Decision] = []
-        for receiver, exclude in list(rec.queue.items()):
-            # In arrival order; one that must still wait (every sender it may
-            # take is busy or excluded) does not hold up those behind it.
-            decision = self._assign(rec, receiver, exclude)
-            if isinstance(decision, Queued):
-                continue
-            del rec.queue[receiver]
-            out.append(decision)
+        progress = True
+        while progress and rec.queue:
+            # Again after a pass that served someone: a receiver served late
+            # in the pass may be the planned sender of one before it.
+            progress = False
+            for receiver, exclude in list(rec.queue.items()):
+                # In arrival order; one that must still wait (every sender it
+                # may take is busy or excluded) does not hold up those behind it.
+                decision = self._assign(rec, receiver, exclude)
+                if isinstance(decision, Queued):
+                    continue
+                del rec.queue[receiver]
+                out.append(decision)
+                progress = bool(rec.planned)
         return out
 
     def _maybe_drop(self, rec: ObjectRecord) -> None:
