@@ -138,6 +138,20 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
                     )
                     for w in holders
                 ]
+            elif "-parts" in method:
+                # dask_hoplite.broadcast(x, parts=k): cut on the holder, each
+                # part down its own tree, joined on each receiver.
+                k = int(method.rsplit("-parts", 1)[1])
+                copies = dask_hoplite.broadcast(x, workers=receivers, parts=k)
+                got = [
+                    client.submit(
+                        fingerprint, cp, workers=[w], pure=False, allow_other_workers=False
+                    )
+                    for cp, w in zip(copies, receivers, strict=True)
+                ]
+                wait(got)
+                dt = time.perf_counter() - t0
+                del copies
             else:
                 got = [
                     client.submit(

@@ -62,14 +62,21 @@ def parse_config(text: str) -> tuple[int, int, float]:
 
 
 def run_config(
-    config: str, size: int, reps: int, collectives: list[str]
+    config: str,
+    size: int,
+    reps: int,
+    collectives: list[str],
+    broadcast_methods: list[str] | None = None,
 ) -> list[tuple[str, Result]]:
     hosts, per_host, rate = parse_config(config)
     out: list[tuple[str, Result]] = []
     with EmulatedCluster(hosts, rate_mbit=rate, workers_per_host=per_host) as ec:
         ec.enter_namespace("sched")  # the Dask clients below talk over the emulated network
         for coll in collectives:
-            for method in COLLECTIVES[coll]:
+            methods = COLLECTIVES[coll]
+            if coll == "broadcast" and broadcast_methods:
+                methods = tuple(broadcast_methods)
+            for method in methods:
                 if coll == "broadcast":
                     timeout = max(60.0, 3 * hosts * per_host * size / ec.rate_bytes_per_s)
                     r = broadcast.measure(ec, method, size, reps, timeout)
@@ -149,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--configs", nargs="+", default=list(CONFIGS))
     p.add_argument("--collectives", nargs="+", choices=list(COLLECTIVES), default=list(COLLECTIVES))
+    p.add_argument(
+        "--broadcast-methods",
+        nargs="+",
+        default=list(COLLECTIVES["broadcast"]),
+        help="e.g. dask hoplite hoplite-parts2 (dask_hoplite.broadcast in 2 parts)",
+    )
     p.add_argument("--size", default="256MiB")
     p.add_argument("--reps", type=int, default=2, help="warm reps after one cold rep")
     p.add_argument("--out", default="benchmarks/results/scaling")
@@ -162,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     size = parse_bytes(args.size)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     if len(args.configs) == 1:
-        rows = run_config(args.configs[0], size, args.reps, args.collectives)
+        rows = run_config(
+            args.configs[0], size, args.reps, args.collectives, args.broadcast_methods
+        )
         save(rows, args.out + ".json")
     else:
         # One process per configuration: a process enters the emulated
@@ -172,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             part = f"{args.out}-{config.replace('@', '-')}"
             cmd = [sys.executable, os.path.abspath(__file__), "--configs", config, "--out", part]
             cmd += ["--size", args.size, "--reps", str(args.reps)]
+            cmd += ["--broadcast-methods", *args.broadcast_methods]
             subprocess.run([*cmd, "--collectives", *args.collectives], check=False)
             if os.path.exists(part + ".json"):
                 rows += load(part + ".json")

@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -121,6 +122,17 @@ def _fill(row: Row, out: Outcome, t0: float, last_arrival: float = 0.0) -> Row:
     return row
 
 
+def _broadcast(
+    cluster: Cluster,
+    n: int,
+    size: float,
+    parts: int,
+    arrivals: dict[str, float] | None,
+    failures: dict[str, float] | None,
+) -> Outcome:
+    return hoplite_broadcast(cluster, n, size, arrivals, failures, parts=parts)
+
+
 def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
     n, size = args.workers, args.size
     cluster = Cluster(args.gbit * 1e9 / 8, overheads, block_bytes=args.block_bytes)
@@ -131,27 +143,28 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
     n_fail = max(1, round(args.fail * n))
     rows = []
 
-    def runs(collective: str, run: Run, victims_from: list[str]) -> None:
-        row, t0 = _row(collective, "hoplite", "a: all at t=0", n, size, cluster)
+    def runs(collective: str, run: Run, victims_from: list[str], method: str = "hoplite") -> None:
+        row, t0 = _row(collective, method, "a: all at t=0", n, size, cluster)
         base = _fill(row, run(None, None), t0)
         rows.append(base)
         if "b" in args.scenarios:
             label = f"b: arrivals over {args.spread:g}s"
-            row, t0 = _row(collective, "hoplite", label, n, size, cluster)
+            row, t0 = _row(collective, method, label, n, size, cluster)
             rows.append(_fill(row, run(arrivals, None), t0, max(arrivals.values())))
         if "c" in args.scenarios:
             frng = random.Random(f"{args.seed}:{collective}")
             victims = frng.sample(victims_from, n_fail)
             fails = {w: frng.uniform(0.1, 0.9) * base.seconds for w in victims}
             label = f"c: {n_fail} fail ({args.fail:.0%})"
-            row, t0 = _row(collective, "hoplite", label, n, size, cluster)
+            row, t0 = _row(collective, method, label, n, size, cluster)
             rows.append(_fill(row, run(None, fails), t0))
 
-    if "broadcast" in args.collectives:
+    for parts in args.parts if "broadcast" in args.collectives else ():
         runs(
             "broadcast",
-            lambda arr, fails: hoplite_broadcast(cluster, n, size, arr, fails),
+            partial(_broadcast, cluster, n, size, parts),
             workers[1:],
+            "hoplite" if parts == 1 else f"hoplite-parts{parts}",
         )
     if "reduce" in args.collectives:
         plan = HopliteReduce(cluster, n, size)
@@ -229,6 +242,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--scenarios", default="abc", help="which of a (t=0), b (arrivals), c (failures); a always"
+    )
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="broadcast in this many parts (split trees); several values: one run each",
     )
     p.add_argument("--block-bytes", type=parse_bytes, default=Cluster.block_bytes)
     p.add_argument("--hop-latency", type=float, help="seconds; overrides the calibration")

@@ -41,6 +41,7 @@ from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_plan import PlanRequest, tree_spec
 from dask_hoplite.core.reduce_spec import ReduceSpec, reduce_values
 from dask_hoplite.scheduler_queries import hoplite_registered
+from dask_hoplite.split_broadcast import split_broadcast
 from dask_hoplite.worker import tasks
 
 logger = logging.getLogger(__name__)
@@ -418,14 +419,30 @@ async def _reduced_inputs(plan: Future) -> list[Any]:
     return list((await plan)["chosen"])
 
 
-def broadcast(future: Any, workers: Sequence[str] | None = None) -> list[Future]:
-    """One copy of ``future`` on each of ``workers`` (default: all), as futures."""
+def broadcast(
+    future: Any, workers: Sequence[str] | None = None, parts: int | None = None
+) -> list[Future]:
+    """One copy of ``future`` on each of ``workers`` (default: all), as futures.
+
+    ``parts`` (default ``hoplite.broadcast.parts``): above 1, the object is
+    cut into that many parts, each broadcast down its own tree
+    (:mod:`dask_hoplite.core.split_trees`), and each worker joins them. The
+    depth grows as log(workers) instead of one hop per worker, for a copy of
+    the object on each receiver (joining) and a cut on the holder (a view for
+    a contiguous array, pickling otherwise).
+    """
+    if parts is None:
+        parts = HopliteConfig.from_dask_config().broadcast_parts
+    if not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"broadcast parts must be a positive int, got {parts!r}")
     client = _client([future])
     [f] = _as_futures(client, [future])
     if workers is None:
         workers = worker_addresses(client)
     if not workers:
         raise ValueError("broadcast needs at least one worker")
+    if parts > 1 and len(workers) > 2 and client.sync(hoplite_registered, client):
+        return split_broadcast(client, f, list(workers), parts)
     return [
         client.submit(_identity, f, workers=[w], allow_other_workers=False, pure=False)
         for w in workers

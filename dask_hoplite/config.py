@@ -85,6 +85,8 @@ class HopliteConfig:
     array_reductions: bool
     array_max_inputs: int
     bag_reductions: bool
+    broadcast_parts: int
+    plan_wait: float
 
     @classmethod
     def from_dask_config(cls) -> HopliteConfig:
@@ -106,6 +108,9 @@ class HopliteConfig:
             raise ValueError(
                 f"hoplite.window-bytes ({window}) must be at least hoplite.block-bytes ({block})"
             )
+        parts = int(_get("broadcast.parts"))
+        if parts < 1:
+            raise ValueError(f"hoplite.broadcast.parts must be >= 1, got {parts}")
         max_inputs = int(_get("array.max-inputs"))
         if max_inputs < 2:
             raise ValueError(f"hoplite.array.max-inputs must be >= 2, got {max_inputs}")
@@ -134,6 +139,8 @@ class HopliteConfig:
             array_reductions=bool(_get("array.reductions")),
             array_max_inputs=max_inputs,
             bag_reductions=bool(_get("bag.reductions")),
+            broadcast_parts=parts,
+            plan_wait=_seconds("broadcast.plan-wait"),
         )
 
     def block_size_for(self, nbytes: int) -> int:

@@ -312,3 +312,70 @@ async def test_scheduler_preload_installs_everything(c, s, a, b):
     x = c.submit(np.arange, 100_000, workers=[a.address])
     assert await c.submit(checksum, x, workers=[b.address]) == float(np.arange(100_000).sum())
     assert stats([b], "keys-received") == [1]
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[(f"127.0.0.{i}", 1) for i in range(1, 8)],
+    config=SMALL,
+    timeout=60,
+)
+async def test_a_broadcast_in_parts_sends_each_part_down_its_own_tree(c, s, *workers):
+    import dask_hoplite as dh
+
+    await c.register_plugin(Hoplite())
+    directory = s.plugins["hoplite"].directory
+    edges: list[tuple[str, str, str]] = []  # (key, sender, receiver), as assigned
+    start = directory._start
+
+    def spy(rec, sender, receiver, depth):
+        edges.append((rec.key, sender, receiver))
+        return start(rec, sender, receiver, depth)
+
+    directory._start = spy
+    src = workers[0]
+    x = c.submit(np.arange, 300_000, dtype="f8", workers=[src.address])
+    d = c.submit(dict, payload=b"y" * 400_000, workers=[src.address])
+    await wait([x, d])
+    ws = [w.address for w in workers]
+    # The collectives are the synchronous API: called from a thread here.
+    copies = await c.gather(await asyncio.to_thread(dh.broadcast, x, ws, 2))
+    for got in copies:
+        np.testing.assert_array_equal(got, np.arange(300_000, dtype="f8"))
+    assert len(copies) == 7
+    parts = {k for k, _, _ in edges}
+    assert len(parts) == 2
+    for k in parts:
+        tree = {r: snd for key, snd, r in edges if key == k}
+        # Each of the 6 other workers streamed the part once, along a tree.
+        assert sorted(tree) == sorted(ws[1:])
+        assert list(tree.values()).count(src.address) == 1
+        # A tree of two levels below the holder's child, not a chain of 6.
+        depth = {}
+        for r in tree:
+            n, node = 0, r
+            while node != src.address:
+                node, n = tree[node], n + 1
+            depth[r] = n
+        assert max(depth.values()) <= 3
+    # No worker sent more than 2 streams of half the object: the object once.
+    out = [snd for _, snd, _ in edges]
+    assert max(out.count(w) for w in ws) <= 2
+    edges.clear()
+    copies = await c.gather(await asyncio.to_thread(dh.broadcast, d, ws, 3))
+    assert copies == [{"payload": b"y" * 400_000}] * 7
+    assert len({k for k, _, _ in edges}) == 3
+    assert [snd for _, snd, _ in edges].count(src.address) == 3
+
+
+@gen_cluster(client=True, nthreads=[("", 1)] * 2, config=SMALL)
+async def test_a_broadcast_with_bad_parts_names_the_argument(c, s, a, b):
+    import pytest
+
+    import dask_hoplite as dh
+
+    await c.register_plugin(Hoplite())
+    x = c.submit(np.arange, 10)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="broadcast parts must be a positive int"):
+            await asyncio.to_thread(dh.broadcast, x, None, bad)

@@ -163,6 +163,57 @@ def test_1024_workers_broadcast_in_sane_bounds():
     assert bound < out.seconds <= bound + 1023 * cluster.lag(1e9) / cluster.rate + 0.01
 
 
+def test_a_split_broadcast_is_log_deep_and_each_uplink_sends_the_object_once():
+    cluster = Cluster(1.25e9, Overheads(efficiency=1.0, hop_latency=0.02, setup=0.0))
+    n, size, parts = 256, 1e9, 4
+    chain = HopliteBroadcast(cluster, n, size).run()
+    sim = HopliteBroadcast(cluster, n, size, parts=parts)
+    out = sim.run()
+    assert len(out.finish) == n - 1
+    assert out.depth <= 5  # log4(255) + 1, not 255 hops
+    # Every uplink carried at most the object once (parts streams of S/parts).
+    sent: dict[str, float] = {}
+    for f in sim.history:
+        sent[f.src] = sent.get(f.src, 0.0) + f.carried
+    assert max(sent.values()) <= size * (1 + 1e-9)
+    assert sent[address(0)] == pytest.approx(size)
+    bound = size / cluster.rate
+    # Four streams share a NIC, so a hop costs parts x the latency at most.
+    assert (
+        bound
+        < out.seconds
+        <= bound + out.depth * parts * cluster.lag(size / parts, parts) / (cluster.rate)
+    )
+    assert out.seconds < chain.seconds / 3
+
+
+def test_a_split_broadcast_survives_failures_without_overloading_a_nic():
+    cluster = Cluster(1.25e9, Overheads(efficiency=1.0, hop_latency=0.02, setup=0.001))
+    n, size, parts = 128, 1e9, 4
+    base = HopliteBroadcast(cluster, n, size, parts=parts).run()
+    rng = random.Random(1)
+    victims = rng.sample([address(i) for i in range(1, n)], 6)
+    fails = {w: rng.uniform(0.1, 0.9) * base.seconds for w in victims}
+    sim = HopliteBroadcast(cluster, n, size, parts=parts)
+    peak: dict[str, int] = {}
+    add = sim.net.add
+
+    def counted(flow):
+        out = add(flow)
+        busy = sum(1 for f in sim.net.flows if f.src == flow.src)
+        peak[flow.src] = max(peak.get(flow.src, 0), busy)
+        return out
+
+    sim.net.add = counted
+    out = sim.run(failures=fails)
+    assert max(peak.values()) <= parts
+    assert set(out.finish) == {address(i) for i in range(1, n)} - set(victims)
+    assert out.resumes > 0
+    # The orphans took the slots the dead freed: no NIC ever sent more
+    # than ``parts`` streams at once, so the time stays near the bound.
+    assert out.seconds < 1.25 * base.seconds
+
+
 def test_calibration_recovers_hop_latency_and_setup_from_several_cluster_sizes(tmp_path):
     from benchmarks.simulator import calibrate
 

@@ -38,7 +38,9 @@ class Outcome:
 
 
 class HopliteBroadcast:
-    """One broadcast from worker 0 to workers 1..n-1."""
+    """One broadcast from worker 0 to workers 1..n-1, in ``parts`` parts
+    (``dask_hoplite.broadcast(..., parts=k)``: part ``j`` is a key of its
+    own, and the directory follows the split-tree plan of ``plan_split``)."""
 
     def __init__(
         self,
@@ -46,21 +48,29 @@ class HopliteBroadcast:
         n_workers: int,
         size: float,
         fanout: int = 1,
+        parts: int = 1,
     ) -> None:
         self.cluster = cluster
         self.size = size
+        self.part_size = size / parts
         self.net = Network(cluster.rate)
         self.engine = Engine(self.net)
         self.directory = ObjectDirectory(fanout=fanout, max_edges=0)
         self.source = address(0)
         self.receivers = [address(i) for i in range(1, n_workers)]
-        self.buffers = {a: Buffer(size) for a in [self.source, *self.receivers]}
-        self.buffers[self.source].pos = size
-        self.holders = {self.source}  # Dask's complete copies
-        self.flows: dict[int, Flow] = {}  # by transfer id
+        self.keys = [f"{KEY}-{j}" for j in range(parts)] if parts > 1 else [KEY]
+        if parts > 1:
+            self.directory.plan_split(list(self.keys), self.receivers)
+        workers = [self.source, *self.receivers]
+        self.buffers = {k: {a: Buffer(self.part_size) for a in workers} for k in self.keys}
+        for k in self.keys:
+            self.buffers[k][self.source].pos = self.part_size
+        self.holders = {k: {self.source} for k in self.keys}  # Dask's complete copies
+        self.parts_done: dict[str, int] = {}
+        self.flows: dict[int, tuple[str, Flow]] = {}  # (key, stream) by transfer id
         self.history: list[Flow] = []  # every stream started, in order
         self.dead: set[str] = set()
-        self.exclude: dict[str, set[str]] = {}
+        self.exclude: dict[tuple[str, str], set[str]] = {}
         self.outcome = Outcome(0.0)
 
     def run(
@@ -70,7 +80,8 @@ class HopliteBroadcast:
     ) -> Outcome:
         for r in self.receivers:
             t = 0.0 if arrivals is None else arrivals[r]
-            self.engine.at(t, partial(self._request, r))
+            for k in self.keys:
+                self.engine.at(t, partial(self._request, k, r))
         for w, t in (failures or {}).items():
             self.engine.at(t, partial(self._fail, w))
         self.engine.run()
@@ -82,13 +93,14 @@ class HopliteBroadcast:
         self.outcome.events = self.engine.events
         return self.outcome
 
-    def _request(self, receiver: str, now: float) -> None:
+    def _request(self, key: str, receiver: str, now: float) -> None:
         if receiver in self.dead:
             return
-        d = self.directory.request(
-            KEY, receiver, self.holders, exclude=self.exclude.get(receiver, ())
-        )
-        self._act([d], now)
+        exclude = self.exclude.get((key, receiver), ())
+        d = self.directory.request(key, receiver, self.holders[key], exclude=exclude)
+        # As the scheduler's directory service: a planned sender just
+        # assigned lets the receivers planned below it start.
+        self._act([d, *self.directory.drain(key)], now)
 
     def _act(self, decisions: Sequence[Decision], now: float) -> None:
         for d in decisions:
@@ -96,41 +108,48 @@ class HopliteBroadcast:
                 raise RuntimeError(f"{d.receiver} found no copy: the source died?")
             if not isinstance(d, Assign):
                 continue  # Queued: the directory assigns it when capacity frees
-            sender = self.buffers[d.sender]
+            key = str(d.key)
+            bufs = self.buffers[key]
             flow = Flow(
                 d.sender,
                 d.receiver,
-                self.buffers[d.receiver],
-                sources=(sender,),
-                lag=self.cluster.lag(self.size),
+                bufs[d.receiver],
+                sources=(bufs[d.sender],),
+                # A part's streams get 1/parts of a NIC: the source sends
+                # every part at once, an inner node ``parts`` streams.
+                lag=self.cluster.lag(self.part_size, streams=len(self.keys)),
                 start=now + self.cluster.overheads.setup,
-                on_done=partial(self._done, d.transfer_id),
+                on_done=partial(self._done, d.transfer_id, key),
             )
-            self.flows[d.transfer_id] = self.net.add(flow)
+            self.flows[d.transfer_id] = (key, self.net.add(flow))
             self.history.append(flow)
             depth = self.directory.transfers[d.transfer_id].depth
             self.outcome.depth = max(self.outcome.depth, depth)
 
-    def _done(self, tid: int, flow: Flow, now: float) -> None:
+    def _done(self, tid: int, key: str, flow: Flow, now: float) -> None:
         del self.flows[tid]
-        self.outcome.finish[flow.dst] = now
-        self.holders.add(flow.dst)
+        n = self.parts_done[flow.dst] = self.parts_done.get(flow.dst, 0) + 1
+        if n == len(self.keys):
+            self.outcome.finish[flow.dst] = now
+        self.holders[key].add(flow.dst)
         self._act(self.directory.transfer_finished(tid, ok=True), now)
 
     def _fail(self, worker: str, now: float) -> None:
         """``worker`` dies: its streams break, its receivers resume elsewhere."""
         self.dead.add(worker)
-        self.holders.discard(worker)
-        orphans = [f.dst for f in self.net.remove_host(worker) if f.src == worker]
-        self.flows = {t: f for t, f in self.flows.items() if worker not in (f.src, f.dst)}
+        for h in self.holders.values():
+            h.discard(worker)
+        self.net.remove_host(worker)
+        orphans = [(k, f.dst) for k, f in self.flows.values() if f.src == worker]
+        self.flows = {t: kf for t, kf in self.flows.items() if worker not in (kf[1].src, kf[1].dst)}
         self._act(self.directory.worker_removed(worker), now)
-        for r in orphans:
+        for key, r in orphans:
             self.outcome.resumes += 1
-            self.outcome.bytes_kept += self.buffers[r].pos
-            self.exclude.setdefault(r, set()).add(worker)
+            self.outcome.bytes_kept += self.buffers[key][r].pos
+            self.exclude.setdefault((key, r), set()).add(worker)
             # The broken stream is seen at once (a TCP error); asking again
             # costs the setup latency the Assign adds.
-            self._request(r, now)
+            self._request(key, r, now)
 
 
 def hoplite_broadcast(
@@ -140,8 +159,9 @@ def hoplite_broadcast(
     arrivals: Mapping[str, float] | None = None,
     failures: Mapping[str, float] | None = None,
     fanout: int = 1,
+    parts: int = 1,
 ) -> Outcome:
-    return HopliteBroadcast(cluster, n_workers, size, fanout).run(arrivals, failures)
+    return HopliteBroadcast(cluster, n_workers, size, fanout, parts).run(arrivals, failures)
 
 
 def dask_broadcast(

@@ -47,9 +47,11 @@ class Cluster:
         """The block size hoplite uses for an object of ``size`` bytes."""
         return max(self.min_block_bytes, min(self.block_bytes, size / self.min_blocks))
 
-    def lag(self, size: float) -> float:
-        """Bytes a relay holds beyond what it has forwarded."""
-        return self.block(size) + self.overheads.hop_latency * self.rate
+    def lag(self, size: float, streams: int = 1) -> float:
+        """Bytes a relay holds beyond what it has forwarded, on a stream that
+        gets ``1/streams`` of its host's rate (the hop latency is a time: at
+        a lower rate fewer bytes arrive meanwhile)."""
+        return self.block(size) + self.overheads.hop_latency * self.rate / streams
 
     def with_overheads(self, **kw: float) -> Cluster:
         return replace(self, overheads=replace(self.overheads, **kw))

@@ -110,6 +110,9 @@ class DirectoryService:
             return {"status": "small"}
         holders = self._holders(key)
         decision: Decision | None = self.directory.request(key, receiver, holders, exclude or ())
+        if isinstance(decision, Assign):
+            # A planned sender was just assigned: those planned below it start.
+            self._act(self.directory.drain(key))
         if isinstance(decision, Queued):
             # None: no sender freed up in time, and Dask's own path fetches it.
             decision = await self._wait_in_queue(key, receiver)
@@ -129,6 +132,12 @@ class DirectoryService:
         fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         self.waiting[(key, receiver)] = fut
         try:
+            if self.directory.waits_for_plan(key, receiver):
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), self.config.plan_wait)
+                except asyncio.TimeoutError:
+                    logger.debug("%s stops waiting for its planned sender of %r", receiver, key)
+                    self._act(self.directory.unplan(key, receiver))
             return await asyncio.wait_for(fut, self.config.queue_timeout)
         except asyncio.TimeoutError:
             logger.info("request of %s for %r timed out in the queue", receiver, key)
@@ -156,6 +165,12 @@ class DirectoryService:
             self.bytes_streamed += int(nbytes)
             self.network.observe_transfer(int(nbytes), float(seconds))
             self.network.observe_latency(float(latency))
+
+    def plan_split(self, keys: list[Key], receivers: list[str]) -> dict[str, str]:
+        """RPC ``hoplite_plan_split``: ``keys`` are the parts of an object
+        that ``dask_hoplite.broadcast`` sends to ``receivers``; plan their trees."""
+        self.directory.plan_split(list(keys), receivers)
+        return {"status": "OK"}
 
     def released(self, key: Key, worker: str | None = None, **kwargs: Any) -> None:
         """Stream ``hoplite-released``: ``worker`` dropped its buffer of ``key``."""

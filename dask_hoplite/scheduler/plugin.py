@@ -142,6 +142,7 @@ class Hoplite(SchedulerPlugin):
         self.handler_table = {
             "hoplite_request": service.request,
             "hoplite_info": service.info,
+            "hoplite_plan_split": service.plan_split,
             "hoplite-finished": service.finished,
             "hoplite-released": service.released,
             "hoplite-collective": self.collectives.finished,

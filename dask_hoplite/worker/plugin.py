@@ -164,6 +164,7 @@ class HopliteWorker(WorkerPlugin):
         logs.off_worker_log(getattr(worker, "_deque_handler", None))
         if isinstance(worker.metrics.get(METRIC), ProgressReport):
             del worker.metrics[METRIC]
+        p.fetch_paths.close()
         if worker.__dict__.get("gather_dep") == p.fetch_paths.gather_dep:
             del worker.gather_dep
         if worker.handlers.get("gather") == p.fetch_paths.gather:

@@ -296,6 +296,45 @@ class DaskFetchPaths:
         self.receiver = receiver
         self.original_gather_dep = original_gather_dep
         self.original_gather = original_gather
+        #: Fetches started ahead of Dask's turn for them (see ``_prefetch``).
+        self.prefetching: set[asyncio.Task[None]] = set()
+
+    def _prefetch_siblings(self, peer: str, to_gather: Collection[Key]) -> None:
+        """Start fetching the other large keys this worker needs from ``peer``.
+
+        Dask fetches from one peer one batch at a time, and a batch holds at
+        most ``distributed.worker.transfer.message-bytes-limit``: a task with
+        two large dependencies on one holder (the parts of a split-tree
+        broadcast) would get the second only after the first. Hoplite streams
+        each key from the sender its directory picks, so they can come at
+        once; Dask's turn for a key then finds it complete here, or joins the
+        fetch still running."""
+        w = self.ctx.worker
+        for ts in list(w.state.data_needed.get(peer, ())):
+            k = ts.key
+            if (
+                k in to_gather
+                or ts.state != "fetch"
+                or not self.ctx.is_large(k)
+                or self.receiver.is_fetching(k)
+                or self.ctx.store.get(k) is not None
+            ):
+                continue
+            task = asyncio.create_task(self._prefetch(k))
+            self.prefetching.add(task)
+            task.add_done_callback(self.prefetching.discard)
+
+    async def _prefetch(self, key: Key) -> None:
+        try:
+            await self.receiver.fetch(key)
+        except Exception as e:  # Dask's own turn for the key fetches it again
+            logger.debug("prefetch of %r failed: %s", key, e)
+        self.receiver.senders.pop(key, None)
+        self.receiver.holders.pop(key, None)
+
+    def close(self) -> None:
+        for task in list(self.prefetching):
+            task.cancel()
 
     async def gather_dep(
         self,
@@ -316,6 +355,7 @@ class DaskFetchPaths:
         # Dask's story of a fetch: what was asked of whom, and what came from
         # whom (the senders hoplite's directory chose, not necessarily Dask's peer).
         w.state.log.append(("request-dep", worker, set(large), stimulus_id, time.time()))
+        self._prefetch_siblings(worker, to_gather)
         results = await asyncio.gather(
             *(self.receiver.fetch(k) for k in large), return_exceptions=True
         )
