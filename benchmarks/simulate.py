@@ -36,7 +36,7 @@ from dask.utils import format_bytes, parse_bytes  # noqa: E402
 from benchmarks.simulator import calibrate  # noqa: E402
 from benchmarks.simulator.broadcast import Outcome, dask_broadcast, hoplite_broadcast  # noqa: E402
 from benchmarks.simulator.params import Cluster, Overheads, address  # noqa: E402
-from benchmarks.simulator.reduce import HopliteReduce, dask_reduce  # noqa: E402
+from benchmarks.simulator.reduce import HopliteReduce, SplitReduce, dask_reduce  # noqa: E402
 
 #: One simulated run: (arrivals, failures) -> outcome.
 Run = Callable[[Mapping[str, float] | None, Mapping[str, float] | None], Outcome]
@@ -133,6 +133,20 @@ def _broadcast(
     return hoplite_broadcast(cluster, n, size, arrivals, failures, parts=parts)
 
 
+def _reduce(
+    cluster: Cluster,
+    n: int,
+    size: float,
+    parts: int,
+    seed: int,
+    arrivals: dict[str, float] | None,
+    failures: dict[str, float] | None,
+) -> Outcome:
+    if parts == 1:
+        return HopliteReduce(cluster, n, size, seed=seed).run(arrivals, failures)
+    return SplitReduce(cluster, n, size, parts, seed=seed).run(arrivals, failures)
+
+
 def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
     n, size = args.workers, args.size
     cluster = Cluster(args.gbit * 1e9 / 8, overheads, block_bytes=args.block_bytes)
@@ -166,14 +180,15 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
             workers[1:],
             "hoplite" if parts == 1 else f"hoplite-parts{parts}",
         )
-    if "reduce" in args.collectives:
-        plan = HopliteReduce(cluster, n, size)
-        root = plan.host_of_node_before_start(plan.tree.root)
-        runs(
-            "reduce",
-            lambda arr, fails: HopliteReduce(cluster, n, size, seed=args.seed).run(arr, fails),
-            [w for w in workers if w != root],
-        )
+    for parts in args.parts if "reduce" in args.collectives else ():
+        if parts == 1:
+            plan = HopliteReduce(cluster, n, size)
+            root = plan.host_of_node_before_start(plan.tree.root)
+        else:
+            root = workers[0]  # SplitReduce roots every segment's tree there
+        run: Run = partial(_reduce, cluster, n, size, parts, args.seed)
+        method = "hoplite" if parts == 1 else f"hoplite-parts{parts}"
+        runs("reduce", run, [w for w in workers if w != root], method)
     if args.dask:
         row, t0 = _row("broadcast", "dask", "a: all at t=0", n, size, cluster)
         rows.append(_fill(row, dask_broadcast(cluster, n, size), t0))
@@ -248,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         type=int,
         default=[1],
-        help="broadcast in this many parts (split trees); several values: one run each",
+        help="broadcast / reduce in this many parts (split trees); one run per value",
     )
     p.add_argument("--block-bytes", type=parse_bytes, default=Cluster.block_bytes)
     p.add_argument("--hop-latency", type=float, help="seconds; overrides the calibration")

@@ -353,7 +353,11 @@ def _allreduce_small(
 
 
 def reduce(
-    inputs: Sequence[Any], op: Any = "sum", k: int | None = None, to: str | None = None
+    inputs: Sequence[Any],
+    op: Any = "sum",
+    k: int | None = None,
+    to: str | None = None,
+    parts: int | None = None,
 ) -> Future:
     """Reduce ``inputs`` (numpy arrays of one shape and dtype) with ``op``.
 
@@ -369,6 +373,11 @@ def reduce(
     ``to``: the address of the worker the result must be on (e.g. a parameter
     server's); the tree is rooted there, with an input that worker holds when
     one is chosen. If that worker dies, the result is made elsewhere.
+
+    ``parts`` (default ``hoplite.reduce.parts``): above 1, each of that many
+    segments of the inputs is reduced up its own tree (the split-tree
+    broadcast's trees, upwards: every host receives and sends the object
+    once, and the depth is about log(hosts)), and the root joins them.
     """
     client = _client(inputs)
     futures = _as_futures(client, inputs)
@@ -380,13 +389,15 @@ def reduce(
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= n:
         raise ValueError(f"k must be an int in [1, {n}] (the number of inputs), got {k!r}")
     cfg = HopliteConfig.from_dask_config()
+    parts = cfg.reduce_parts if parts is None else parts
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+        raise ValueError(f"reduce parts must be a positive int, got {parts!r}")
     rid = uuid.uuid4().hex
     result_key = f"hoplite-reduce-{name}-{rid}"
     if to is not None and not isinstance(to, str):
         raise TypeError(f"to must be a worker address (str), got {type(to).__name__}")
-    req = PlanRequest(
-        rid, name, tuple(f.key for f in futures), k, result_key, cfg.min_bytes, cfg.block_bytes, to
-    )
+    keys = tuple(f.key for f in futures)
+    req = PlanRequest(rid, name, keys, k, result_key, cfg.min_bytes, cfg.block_bytes, to, parts)
     plan_key = req.plan_key
     # One graph: the planning task (no dependencies: it waits on the cluster
     # for the first k inputs) and the result task, which runs where the plan

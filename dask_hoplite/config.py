@@ -87,6 +87,7 @@ class HopliteConfig:
     bag_reductions: bool
     broadcast_parts: int
     plan_wait: float
+    reduce_parts: int
 
     @classmethod
     def from_dask_config(cls) -> HopliteConfig:
@@ -111,6 +112,9 @@ class HopliteConfig:
         parts = int(_get("broadcast.parts"))
         if parts < 1:
             raise ValueError(f"hoplite.broadcast.parts must be >= 1, got {parts}")
+        reduce_parts = int(_get("reduce.parts"))
+        if reduce_parts < 1:
+            raise ValueError(f"hoplite.reduce.parts must be >= 1, got {reduce_parts}")
         max_inputs = int(_get("array.max-inputs"))
         if max_inputs < 2:
             raise ValueError(f"hoplite.array.max-inputs must be >= 2, got {max_inputs}")
@@ -141,6 +145,7 @@ class HopliteConfig:
             bag_reductions=bool(_get("bag.reductions")),
             broadcast_parts=parts,
             plan_wait=_seconds("broadcast.plan-wait"),
+            reduce_parts=reduce_parts,
         )
 
     def block_size_for(self, nbytes: int) -> int:

@@ -5,6 +5,7 @@ replicate / scatter, AMM cooperation and cleanup."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import numpy as np
 from distributed import Worker, wait
@@ -379,3 +380,40 @@ async def test_a_broadcast_with_bad_parts_names_the_argument(c, s, a, b):
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match="broadcast parts must be a positive int"):
             await asyncio.to_thread(dh.broadcast, x, None, bad)
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[(f"127.0.0.{i}", 1) for i in range(1, 8)],
+    config=SMALL,
+    timeout=60,
+    # reduce keeps its inputs until the result is done with a future
+    # callback, which runs on Dask's callback thread.
+    clean_kwargs={"threads": False},
+)
+async def test_a_reduce_in_parts_runs_one_tree_per_segment(c, s, *workers):
+    import dask_hoplite as dh
+    from dask_hoplite.collectives import _INPUTS_ATTR
+
+    await c.register_plugin(Hoplite())
+    xs = [
+        c.submit(np.full, 100_003, float(i + 1), workers=[w.address], pure=False)
+        for i, w in enumerate(workers)
+    ]
+    await wait(xs)
+    to = workers[3].address
+    result = await asyncio.to_thread(dh.reduce, xs, "sum", None, to, 3)
+    got = await result
+    np.testing.assert_array_equal(got, np.full(100_003, float(sum(range(1, 8)))))
+    plan = await getattr(result, _INPUTS_ATTR)
+    assert plan["mode"] == "split" and plan["root"] == to and len(plan["specs"]) == 3
+    for spec in plan["specs"]:
+        fan_in = Counter(p for p in spec["parent"] if p is not None)
+        assert max(fan_in.values()) <= 3  # no node takes more than the object in
+        assert len(fan_in) >= 2  # a tree, not a star into the root
+    who = await c.scheduler.who_has(keys=[result.key])
+    assert list(who[result.key]) == [to]
+    import pytest
+
+    with pytest.raises(ValueError, match="reduce parts must be a positive int"):
+        await asyncio.to_thread(dh.reduce, xs, "sum", None, None, 0)

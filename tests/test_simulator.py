@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from benchmarks.simulator.broadcast import HopliteBroadcast, dask_broadcast
 from benchmarks.simulator.network import EPS, Buffer, Flow, Network
 from benchmarks.simulator.params import Cluster, MiB, Overheads, address
-from benchmarks.simulator.reduce import HopliteReduce
+from benchmarks.simulator.reduce import HopliteReduce, SplitReduce
 
 S = 64 * MiB
 CLUSTER = Cluster(125e6, Overheads(efficiency=1.0, hop_latency=0.002, setup=0.001))
@@ -212,6 +212,26 @@ def test_a_split_broadcast_survives_failures_without_overloading_a_nic():
     # The orphans took the slots the dead freed: no NIC ever sent more
     # than ``parts`` streams at once, so the time stays near the bound.
     assert out.seconds < 1.25 * base.seconds
+
+
+def test_a_split_reduce_is_log_deep_and_survives_a_failure():
+    cluster = Cluster(1.25e9, Overheads(efficiency=1.0, hop_latency=0.02, setup=0.001))
+    n, size, parts = 128, 1e9, 4
+    chain = HopliteReduce(cluster, n, size, planner_latency=1e-6).run()
+    split = SplitReduce(cluster, n, size, parts)
+    out = split.run()
+    assert out.depth <= 5 and out.seconds < chain.seconds / 2
+    # Each host takes in at most ``parts`` segment streams: the object once.
+    into: dict[str, int] = {}
+    for r in split.trees:
+        for p in r.tree.parent:
+            if p is not None:
+                into[r.host[p]] = into.get(r.host[p], 0) + 1
+    assert max(into.values()) <= parts
+    victim = address(5)
+    failed = SplitReduce(cluster, n, size, parts).run(failures={victim: 0.3})
+    assert failed.repairs == parts  # its node in every segment's tree
+    assert out.seconds < failed.seconds < 2 * out.seconds
 
 
 def test_calibration_recovers_hop_latency_and_setup_from_several_cluster_sizes(tmp_path):

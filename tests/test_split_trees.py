@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from dask_hoplite.core import object_parts
 from dask_hoplite.core.directory import Assign, ObjectDirectory, Queued
 from dask_hoplite.core.hosts import host_of
+from dask_hoplite.core.reduce_plan import split_tree_specs
 from dask_hoplite.core.split_trees import split_tree_parents, tree_depth
 
 
@@ -218,3 +219,33 @@ def test_a_contiguous_array_is_cut_without_a_copy():
     assert np.shares_memory(part, x) and len(part) == 250
     with pytest.raises(ValueError, match="part 4 is not in range"):
         object_parts.part_of(x, 4, 4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(3, 120), parts=st.integers(2, 5), dup=st.integers(0, 3), data=st.data())
+def test_split_reduce_trees_receive_and_send_the_object_once_per_host(n, parts, dup, data):
+    workers = [addr(i) for i in range(n)]
+    # Inputs by slot: one per worker, and ``dup`` more on random workers.
+    addresses = workers + [data.draw(st.sampled_from(workers)) for _ in range(dup)]
+    root_input = data.draw(st.integers(0, len(addresses) - 1))
+    keys = [f"k{i}" for i in range(len(addresses))]
+    specs = split_tree_specs("r", "sum", keys, addresses, root_input, parts, 1024)
+    assert [s.segment for s in specs] == [(j, parts) for j in range(parts)]
+    down: Counter[str] = Counter()  # segment streams into each host
+    up: Counter[str] = Counter()
+    for spec in specs:
+        assert spec.root == root_input and spec.inputs == tuple(keys)
+        for slot, p in enumerate(spec.parent):
+            if p is None:
+                continue
+            walk, seen = p, {slot}
+            while walk is not None:  # every node reaches the root
+                assert walk not in seen
+                seen.add(walk)
+                walk = spec.parent[walk]
+            src, dst = host_of(addresses[slot]), host_of(addresses[p])
+            if src != dst:
+                up[src] += 1
+                down[dst] += 1
+    assert all(c <= parts for c in down.values())
+    assert all(c <= parts for c in up.values())

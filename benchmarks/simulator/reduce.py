@@ -35,7 +35,13 @@ from benchmarks.simulator.broadcast import Outcome
 from benchmarks.simulator.engine import Engine
 from benchmarks.simulator.network import Buffer, Flow, Network
 from benchmarks.simulator.params import Cluster, address
-from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
+from dask_hoplite.core.planner import (
+    ReduceTree,
+    colocated_order,
+    max_chain_length,
+    plan_reduce_tree,
+)
+from dask_hoplite.core.reduce_plan import split_tree_specs
 from dask_hoplite.core.reduce_spec import ReduceSpec
 from dask_hoplite.core.tree_repair import TreeRepair
 
@@ -53,19 +59,23 @@ class HopliteReduce:
         recompute: float = 0.0,
         budget: int = 8,
         seed: int = 0,
+        tree: ReduceTree | None = None,
+        engine: Engine | None = None,
+        streams: int = 1,
     ) -> None:
         self.cluster = cluster
         self.size = size
         self.recompute = recompute
         self.budget = budget
+        self.streams = streams  # streams sharing a NIC (segment trees)
         self.rng = random.Random(seed)
         # The planner is given what the network model would measure: the
         # per-host throughput and the latency of one block per hop.
         bw = planner_bandwidth or cluster.rate
         lat = planner_latency or cluster.block(size) / cluster.rate + cluster.overheads.hop_latency
-        self.tree = plan_reduce_tree(n_workers, max_chain_length(int(size), bw, lat))
-        self.net = Network(cluster.rate)
-        self.engine = Engine(self.net)
+        self.tree = tree or plan_reduce_tree(n_workers, max_chain_length(int(size), bw, lat))
+        self.engine = engine or Engine(Network(cluster.rate))
+        self.net = self.engine.net
         self.workers = [address(i) for i in range(n_workers)]
         self.dead: set[str] = set()
         self.host: list[str] = []  # worker running each node now
@@ -135,7 +145,7 @@ class HopliteReduce:
             self.host[parent],
             self.recv[v],
             sources=tuple(self.recv[c] for c in self.tree.children(v)),
-            lag=self.cluster.lag(self.size),
+            lag=self.cluster.lag(self.size, self.streams),
             start=start,
             on_done=partial(self._done, v),
         )
@@ -207,6 +217,63 @@ class HopliteReduce:
     def _surviving_worker(self) -> str:
         alive = [w for w in self.workers if w not in self.dead]
         return self.rng.choice(alive)
+
+
+class SplitReduce:
+    """A reduction in ``parts`` segments, each up its own tree, as
+    ``dask_hoplite.reduce(..., parts=k)``: the trees of the real
+    :func:`~dask_hoplite.core.reduce_plan.split_tree_specs`, rooted at worker
+    0, one :class:`HopliteReduce` of ``size / parts`` bytes each, sharing one
+    network. Each tree repairs its own nodes; the reduction ends when the
+    last segment reaches the root."""
+
+    def __init__(self, cluster: Cluster, n_workers: int, size: float, parts: int, **kw: float):
+        workers = [address(i) for i in range(n_workers)]
+        specs = split_tree_specs("sim", "sum", workers, workers, 0, parts, cluster.block_bytes)
+        self.engine = Engine(Network(cluster.rate))
+        self.trees = []
+        for spec in specs:
+            children: list[list[int]] = [[] for _ in spec.parent]
+            for v, p in enumerate(spec.parent):
+                if p is not None:
+                    children[p].append(v)
+            tree = ReduceTree(spec.parent, 0, 0, tuple(tuple(c) for c in children))
+            self.trees.append(
+                HopliteReduce(
+                    cluster,
+                    n_workers,
+                    size / parts,
+                    tree=tree,
+                    engine=self.engine,
+                    streams=parts,
+                    **kw,  # type: ignore[arg-type]
+                )
+            )
+        self.workers = workers
+
+    def run(
+        self,
+        arrivals: Mapping[str, float] | None = None,
+        failures: Mapping[str, float] | None = None,
+    ) -> Outcome:
+        ready = {w: 0.0 if arrivals is None else arrivals[w] for w in self.workers}
+        t0 = max(ready.values())  # planned once every input is ready
+        for r in self.trees:
+            self.engine.at(t0, partial(r._start, list(self.workers)))
+        for w, t in (failures or {}).items():
+            for r in self.trees:
+                self.engine.at(t, partial(r._fail, w))
+        self.engine.run()
+        outs = [r.outcome for r in self.trees]
+        if any(r.remaining or not r.host for r in self.trees):
+            raise RuntimeError("the reduction did not complete")
+        return Outcome(
+            max(o.seconds for o in outs),
+            resumes=sum(o.resumes for o in outs),
+            repairs=sum(o.repairs for o in outs),
+            events=self.engine.events,
+            depth=max(r.tree.height() for r in self.trees),
+        )
 
 
 def hoplite_reduce(

@@ -27,6 +27,7 @@ from dask.typing import Key
 from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
 from dask_hoplite.core.reduce_spec import ReduceSpec
+from dask_hoplite.core.split_trees import split_tree_parents
 
 
 def tree_spec(
@@ -63,6 +64,52 @@ def tree_spec(
     )
 
 
+def split_tree_specs(
+    rid: str,
+    op: str,
+    keys: Sequence[Key],
+    addresses: Sequence[str],
+    root_input: int,
+    parts: int,
+    block_bytes: int,
+) -> list[ReduceSpec]:
+    """One reduce tree per segment ``j`` of ``parts`` of the inputs, all
+    rooted at input ``root_input``: the split-tree broadcast's trees
+    (:func:`~dask_hoplite.core.split_trees.split_tree_parents`) run upwards.
+    Every host then receives ``parts`` segment streams at most (the object
+    once) and sends one per segment, and the depth is about
+    ``log_parts(hosts)``. The inputs of one worker combine there first."""
+    root = addresses[root_input]
+    first: dict[str, int] = {}  # each worker's first input (its node in the trees)
+    for slot, a in enumerate(addresses):
+        first.setdefault(a, root_input if a == root else slot)
+    workers = [a for a in first if a != root]
+    specs = []
+    for j, plan in enumerate(split_tree_parents(root, workers, parts)):
+        parent: list[int | None] = []
+        for slot, a in enumerate(addresses):
+            if slot == root_input:
+                parent.append(None)
+            elif first[a] != slot:
+                parent.append(first[a])  # combined on its own worker first
+            else:
+                parent.append(first[plan[a]])
+        specs.append(
+            ReduceSpec(
+                rid=f"{rid}-s{j}",
+                op=op,
+                inputs=tuple(keys),
+                addresses=tuple(addresses),
+                parent=tuple(parent),
+                shape=(),
+                dtype="",
+                block_bytes=block_bytes,
+                segment=(j, parts),
+            )
+        )
+    return specs
+
+
 def plan_reduction(
     rid: str,
     op: str,
@@ -74,9 +121,12 @@ def plan_reduction(
     min_bytes: int,
     block_bytes: int,
     to: str | None = None,
+    parts: int = 1,
 ) -> dict[str, Any]:
     """The plan for reducing ``chosen`` (every one held somewhere: ``who_has``
-    lists a holder for each), with the result on worker ``to`` if given."""
+    lists a holder for each), with the result on worker ``to`` if given; in
+    ``parts`` segments, each up its own tree (:func:`split_tree_specs`), when
+    ``parts`` is above 1 and the inputs are on three workers or more."""
     addresses = []
     for key in chosen:
         holders = sorted(who_has.get(key) or ())
@@ -87,6 +137,17 @@ def plan_reduction(
     plan: dict[str, Any] = {"chosen": list(chosen), "spares": list(spares), "op": op}
     if net is None or size < min_bytes:
         return {**plan, "mode": "values", "root": to or addresses[0]}
+    if parts > 1 and len(set(addresses)) >= 3:
+        root_input = addresses.index(to) if to in addresses else 0
+        if to is not None and to not in addresses:
+            addresses[root_input] = to  # ``to`` fetches that input first
+        specs = split_tree_specs(rid, op, chosen, addresses, root_input, parts, block_bytes)
+        return {
+            **plan,
+            "mode": "split",
+            "specs": [s.to_msg() for s in specs],
+            "root": addresses[root_input],
+        }
     spec = tree_spec(rid, op, chosen, addresses, net, size, block_bytes, to)
     return {**plan, "mode": "tree", "spec": spec.to_msg(), "root": spec.addresses[spec.root]}
 
@@ -107,6 +168,8 @@ class PlanRequest:
     min_bytes: int
     block_bytes: int
     to: str | None = None
+    #: Above 1: reduce that many segments, each up its own tree.
+    parts: int = 1
 
     @property
     def plan_key(self) -> str:

@@ -11,6 +11,7 @@ result to (None at the root).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +114,23 @@ class ReduceSpec:
         if j == 0:
             return self.addresses[self.root], self.partial_key(self.root)
         return self.copies[j - 1], self.copy_key(j - 1)
+
+
+def join_segments(
+    shape: tuple[int, ...],
+    specs: list[ReduceSpec],
+    segments: list[np.ndarray],
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """The whole result of ``shape`` from the results of segment trees
+    ``specs`` (``segments[i]`` is ``specs[i]``'s), written into the flat
+    array ``out`` if given."""
+    count = math.prod(shape)
+    flat = np.empty(count, dtype=segments[0].dtype) if out is None else out
+    for spec, seg in zip(specs, segments, strict=True):
+        lo, hi = dataclasses.replace(spec, shape=shape).bounds()
+        flat[lo:hi] = np.asarray(seg).reshape(-1)
+    return flat.reshape(shape)
 
 
 def is_partial_key(key: object) -> bool:

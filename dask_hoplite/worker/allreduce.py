@@ -31,7 +31,7 @@ from distributed.metrics import time as dask_time
 
 from dask_hoplite.core.protocol import StreamRequest
 from dask_hoplite.core.reduce_ops import resolve_op
-from dask_hoplite.core.reduce_spec import ReduceSpec
+from dask_hoplite.core.reduce_spec import ReduceSpec, join_segments
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.errors import ReduceInputError
 from dask_hoplite.streams import pooled_comm, raw_stream, receive_stream
@@ -157,10 +157,7 @@ class Allreduce:
         count = math.prod(shape)
         mem = memoryview(self.ctx.store.pool.allocate(count * first.dtype.itemsize))  # type: ignore[arg-type]
         flat = np.frombuffer(mem, dtype=first.dtype, count=count)
-        for i, seg in zip(order, segments, strict=True):
-            lo, hi = dataclasses.replace(specs[i], shape=shape).bounds()
-            flat[lo:hi] = seg
-        return flat.reshape(shape)
+        return join_segments(shape, [specs[i] for i in order], segments, out=flat)
 
     async def reduce_anew(self, spec: ReduceSpec, slot: int, value: Any) -> Any:
         """The failure path of allreduce: the whole reduction of ``spec``'s

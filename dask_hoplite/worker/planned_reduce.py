@@ -24,6 +24,7 @@ import asyncio
 import logging
 from typing import Any
 
+import numpy as np
 from dask.typing import Key
 from distributed import KilledWorker
 from distributed.protocol import pickle
@@ -32,7 +33,7 @@ from distributed.worker import Worker
 
 from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.reduce_plan import PlanRequest, plan_reduction
-from dask_hoplite.core.reduce_spec import reduce_values
+from dask_hoplite.core.reduce_spec import ReduceSpec, join_segments, reduce_values
 from dask_hoplite.errors import ReduceInputLost
 from dask_hoplite.scheduler_queries import METADATA_KEY
 from dask_hoplite.worker.context import PLUGIN_NAME
@@ -84,6 +85,7 @@ async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
         req.min_bytes,
         req.block_bytes,
         req.to,
+        req.parts,
     )
     await w.scheduler.set_restrictions(worker={req.result: [plan["root"]]})
     logger.debug("reduction %s: %s over %s, root %s", req.rid, plan["mode"], chosen, plan["root"])
@@ -153,10 +155,14 @@ async def run_plan(w: Worker, plan: dict[str, Any]) -> Any:
             f"dask-hoplite's worker part is not installed on {w.address}: "
             "register dask_hoplite.Hoplite() first"
         )
-    spec = plan["spec"]
-    root_key = spec["inputs"][spec["parent"].index(None)]
+    specs = plan["specs"] if plan["mode"] == "split" else [plan["spec"]]
+    root_key = specs[0]["inputs"][specs[0]["parent"].index(None)]
     [value] = await fetch_values(w, part, [root_key])
-    return await part.roots.run(value, spec)
+    if plan["mode"] != "split":
+        return await part.roots.run(value, specs[0])
+    # Every segment's tree at once; then the segments, in place, make the result.
+    segments = await asyncio.gather(*(part.roots.run(value, s) for s in specs))
+    return join_segments(np.shape(value), [ReduceSpec.from_msg(s) for s in specs], segments)
 
 
 async def fetch_values(w: Worker, part: Any, keys: list[Key]) -> list[Any]:
