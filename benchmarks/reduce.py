@@ -171,6 +171,8 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
                 total = [client.submit(check, p, pure=False) for p in dh.allreduce(xs, "sum")]
             elif method.endswith("gather"):
                 total = client.submit(as_list, *xs, workers=[workers[0]], pure=False)
+            elif "-parts" in method:  # hoplite-partsK: reduce(..., parts=K)
+                total = dh.reduce(xs, "sum", parts=int(method.rsplit("-parts", 1)[1]))
             else:
                 total = dh.reduce(xs, "sum")
             wait(total)

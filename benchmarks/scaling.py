@@ -67,6 +67,7 @@ def run_config(
     reps: int,
     collectives: list[str],
     broadcast_methods: list[str] | None = None,
+    reduce_methods: list[str] | None = None,
 ) -> list[tuple[str, Result]]:
     hosts, per_host, rate = parse_config(config)
     out: list[tuple[str, Result]] = []
@@ -76,6 +77,8 @@ def run_config(
             methods = COLLECTIVES[coll]
             if coll == "broadcast" and broadcast_methods:
                 methods = tuple(broadcast_methods)
+            if coll == "reduce" and reduce_methods:
+                methods = tuple(reduce_methods)
             for method in methods:
                 if coll == "broadcast":
                     timeout = max(60.0, 3 * hosts * per_host * size / ec.rate_bytes_per_s)
@@ -162,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         default=list(COLLECTIVES["broadcast"]),
         help="e.g. dask hoplite hoplite-parts2 (dask_hoplite.broadcast in 2 parts)",
     )
+    p.add_argument(
+        "--reduce-methods",
+        nargs="+",
+        default=list(COLLECTIVES["reduce"]),
+        help="e.g. dask-task hoplite hoplite-parts4 (dask_hoplite.reduce in 4 parts)",
+    )
     p.add_argument("--size", default="256MiB")
     p.add_argument("--reps", type=int, default=2, help="warm reps after one cold rep")
     p.add_argument("--out", default="benchmarks/results/scaling")
@@ -176,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     if len(args.configs) == 1:
         rows = run_config(
-            args.configs[0], size, args.reps, args.collectives, args.broadcast_methods
+            args.configs[0],
+            size,
+            args.reps,
+            args.collectives,
+            args.broadcast_methods,
+            args.reduce_methods,
         )
         save(rows, args.out + ".json")
     else:
@@ -188,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, os.path.abspath(__file__), "--configs", config, "--out", part]
             cmd += ["--size", args.size, "--reps", str(args.reps)]
             cmd += ["--broadcast-methods", *args.broadcast_methods]
+            cmd += ["--reduce-methods", *args.reduce_methods]
             subprocess.run([*cmd, "--collectives", *args.collectives], check=False)
             if os.path.exists(part + ".json"):
                 rows += load(part + ".json")
