@@ -46,6 +46,11 @@ from dask_hoplite.core.reduce_spec import ReduceSpec
 from dask_hoplite.core.tree_repair import TreeRepair
 
 
+def ready_times(workers: list[str], arrivals: Mapping[str, float] | None) -> dict[str, float]:
+    """When each worker's input is ready (all at t=0 without ``arrivals``)."""
+    return {w: 0.0 if arrivals is None else arrivals[w] for w in workers}
+
+
 class HopliteReduce:
     """One reduction of ``n_workers`` inputs, one per worker."""
 
@@ -89,7 +94,7 @@ class HopliteReduce:
         arrivals: Mapping[str, float] | None = None,
         failures: Mapping[str, float] | None = None,
     ) -> Outcome:
-        ready = {w: 0.0 if arrivals is None else arrivals[w] for w in self.workers}
+        ready = ready_times(self.workers, arrivals)
         # Slots in the order inputs became ready (in-order numbering = fill order).
         index = {w: i for i, w in enumerate(self.workers)}
         by_ready = sorted(self.workers, key=lambda w: (ready[w], index[w]))
@@ -256,8 +261,7 @@ class SplitReduce:
         arrivals: Mapping[str, float] | None = None,
         failures: Mapping[str, float] | None = None,
     ) -> Outcome:
-        ready = {w: 0.0 if arrivals is None else arrivals[w] for w in self.workers}
-        t0 = max(ready.values())  # planned once every input is ready
+        t0 = max(ready_times(self.workers, arrivals).values())  # planned once all are ready
         for r in self.trees:
             self.engine.at(t0, partial(r._start, list(self.workers)))
         for w, t in (failures or {}).items():
