@@ -77,6 +77,14 @@ def _as_futures(client: Client, inputs: Sequence[Any]) -> list[Future]:
     return out
 
 
+def _parts_arg(collective: str, parts: Any, default: int) -> int:
+    """``parts`` (``default`` if None), checked: a positive int."""
+    parts = default if parts is None else parts
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+        raise ValueError(f"{collective} parts must be a positive int, got {parts!r}")
+    return parts
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -374,10 +382,9 @@ def reduce(
     server's); the tree is rooted there, with an input that worker holds when
     one is chosen. If that worker dies, the result is made elsewhere.
 
-    ``parts`` (default ``hoplite.reduce.parts``): above 1, each of that many
-    segments of the inputs is reduced up its own tree (the split-tree
-    broadcast's trees, upwards: every host receives and sends the object
-    once, and the depth is about log(hosts)), and the root joins them.
+    ``parts`` (default ``hoplite.reduce.parts``): above 1, each of that many segments of
+    the inputs is reduced up its own tree (the split-tree broadcast's trees, upwards: each
+    host takes in and sends the object once, depth about log(hosts)); the root joins them.
     """
     client = _client(inputs)
     futures = _as_futures(client, inputs)
@@ -389,9 +396,7 @@ def reduce(
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= n:
         raise ValueError(f"k must be an int in [1, {n}] (the number of inputs), got {k!r}")
     cfg = HopliteConfig.from_dask_config()
-    parts = cfg.reduce_parts if parts is None else parts
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        raise ValueError(f"reduce parts must be a positive int, got {parts!r}")
+    parts = _parts_arg("reduce", parts, cfg.reduce_parts)
     rid = uuid.uuid4().hex
     result_key = f"hoplite-reduce-{name}-{rid}"
     if to is not None and not isinstance(to, str):
@@ -442,10 +447,7 @@ def broadcast(
     the object on each receiver (joining) and a cut on the holder (a view for
     a contiguous array, pickling otherwise).
     """
-    if parts is None:
-        parts = HopliteConfig.from_dask_config().broadcast_parts
-    if not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"broadcast parts must be a positive int, got {parts!r}")
+    parts = _parts_arg("broadcast", parts, HopliteConfig.from_dask_config().broadcast_parts)
     client = _client([future])
     [f] = _as_futures(client, [future])
     if workers is None:

@@ -323,6 +323,7 @@ async def test_scheduler_preload_installs_everything(c, s, a, b):
 )
 async def test_a_broadcast_in_parts_sends_each_part_down_its_own_tree(c, s, *workers):
     import dask_hoplite as dh
+    from dask_hoplite.core.split_trees import tree_depth
 
     await c.register_plugin(Hoplite())
     directory = s.plugins["hoplite"].directory
@@ -352,13 +353,7 @@ async def test_a_broadcast_in_parts_sends_each_part_down_its_own_tree(c, s, *wor
         assert sorted(tree) == sorted(ws[1:])
         assert list(tree.values()).count(src.address) == 1
         # A tree of two levels below the holder's child, not a chain of 6.
-        depth = {}
-        for r in tree:
-            n, node = 0, r
-            while node != src.address:
-                node, n = tree[node], n + 1
-            depth[r] = n
-        assert max(depth.values()) <= 3
+        assert tree_depth(tree, src.address) <= 3
     # No worker sent more than 2 streams of half the object: the object once.
     out = [snd for _, snd, _ in edges]
     assert max(out.count(w) for w in ws) <= 2

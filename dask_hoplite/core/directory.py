@@ -210,11 +210,12 @@ class ObjectDirectory:
         return decisions
 
     def drain(self, key: Key) -> list[Decision]:
-        """Serve the receivers of ``key`` that can be served now (after a
-        request: a planned sender was just assigned, so the receivers planned
-        to stream from it can start)."""
+        """Serve the receivers of ``key`` planned to stream from a sender
+        that was just assigned (call it after a request that got an
+        ``Assign``); nothing for a key without a plan, whose queue only moves
+        when a stream ends or a copy is added."""
         rec = self.objects.get(key)
-        return [] if rec is None else self._drain(rec)
+        return [] if rec is None or not rec.planned else self._drain(rec)
 
     def waits_for_plan(self, key: Key, receiver: str) -> bool:
         """Whether ``receiver`` is queued for its planned sender of ``key``."""

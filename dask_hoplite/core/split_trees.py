@@ -1,5 +1,5 @@
 """Split-tree broadcast planning: an object in ``k`` parts, each part down its
-own tree, every worker an inner node of at most one of them.
+own tree, every host sending at most ``k`` streams of a part in all.
 
 A pipelined chain (Hoplite's broadcast with fan-out 1) uses every uplink once
 but grows one hop per receiver: at N receivers the last one waits N pipeline
@@ -7,10 +7,11 @@ fills (one block plus a wake-up each), which at a thousand workers costs more
 than the transfer itself. A tree of fan-out ``k`` has depth ``log_k N`` but an
 inner node sends ``k`` copies, so it runs at ``B/k``. Splitting the object in
 ``k`` parts and sending part ``j`` down a ``k``-ary tree whose inner nodes are
-group ``j`` of the receivers (SplitStream, Castro et al. 2003; NCCL's double
-binary tree for ``k = 2``) keeps both: an inner node sends ``k`` copies of
-``S/k`` bytes, that is ``S`` once, a leaf sends nothing of that part, the
-source sends each part once, and the depth is about ``log_k N``.
+about one host in ``k`` (SplitStream, Castro et al. 2003; NCCL's double binary
+tree for ``k = 2``) keeps both: an inner node sends ``k`` copies of ``S/k``
+bytes, that is ``S`` once, a leaf sends nothing of that part, the source sends
+each part once, and the depth is about ``log_k N``. A host whose ``k`` slots
+straddle two trees is an inner node of both, with fewer children in each.
 
 Pure functions, no I/O. The plans are handed to
 :meth:`~dask_hoplite.core.directory.ObjectDirectory.plan_split`, which follows
