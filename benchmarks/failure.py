@@ -17,6 +17,9 @@ Scenarios (N worker hosts, objects of S bytes, per-host bandwidth B):
   killing a worker that is not the root's at half of S/B; the lost input is
   recomputed, and a node replaces the dead one where its parent's stream
   broke (the rest of the tree keeps its partial results). Goal: recompute + 2 S/B.
+* ``reduce-parts``      the same reduction in 2 segments, each up its own
+  tree (``parts=2``); w1 is an inner node of the first tree and a leaf of the
+  second: each tree replaces its dead node. Goal: recompute + 2 S/B.
 
 Each scenario runs without failure too, with hoplite and with Dask's default
 (no plugin), on a fresh Dask cluster every time. Times are from the first
@@ -42,7 +45,7 @@ from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 
-SCENARIOS = ("broadcast-relay", "broadcast-source", "reduce", "broadcast-retire")
+SCENARIOS = ("broadcast-relay", "broadcast-source", "reduce", "broadcast-retire", "reduce-parts")
 METHODS = ("hoplite", "dask")
 
 # Runs inside the scheduler host's namespace: prints START when the
@@ -115,7 +118,8 @@ else:
     t0 = time.perf_counter()
     if method == "hoplite":
         import dask_hoplite as dh
-        total = dh.reduce(inputs, "sum")
+        parts = 2 if scenario == "reduce-parts" else 1
+        total = dh.reduce(inputs, "sum", parts=parts)
     else:
         total = c.submit(lambda *xs: sum(xs), *inputs, workers=[ws[0]], pure=False)
     wait(total, timeout=900)
@@ -165,6 +169,7 @@ def victim_of(scenario: str) -> str:
         "broadcast-relay": "w1",
         "broadcast-source": "w0",
         "reduce": "w1",
+        "reduce-parts": "w1",
         "broadcast-retire": "w1",
     }[scenario]
 

@@ -1,8 +1,9 @@
 """Workers killed in the middle of a collective, on an emulated cluster (real
 processes, real rate-limited network, SIGKILL): broadcasts resume from the
 byte they reached, a lost source is recomputed and its partial copies
-resume, a reduction replaces a dead participant inside its running tree. Needs root and
-iproute2 (CI has both); skipped elsewhere."""
+resume, a reduction (whole or in parts) replaces a dead participant inside
+its running tree(s). Needs root and iproute2 (CI has both); skipped
+elsewhere."""
 
 from __future__ import annotations
 
@@ -57,6 +58,16 @@ def test_a_reduction_survives_a_dead_participant(ec):
     assert o.ok, o
     # the dead node was replaced inside the running tree, which was not restarted
     assert o.tree_repairs == 1 and o.tree_restarts == 0, o
+    assert {"reduce-children-replaced", "reduce-repaired"} <= set(o.events), o
+
+
+@pytest.mark.timeout(300)
+def test_a_reduction_in_parts_repairs_each_segment_tree(ec):
+    # parts=2 on 4 hosts: the dead worker is an inner node of one segment's
+    # tree and a leaf of the other; each tree replaces it where it died.
+    o = run_one(ec, "reduce-parts", "hoplite", SIZE, kill=True, env=ENV)
+    assert o.ok, o
+    assert o.tree_repairs == 2 and o.tree_restarts == 0, o
     assert {"reduce-children-replaced", "reduce-repaired"} <= set(o.events), o
 
 

@@ -59,9 +59,9 @@ class TreeRoot:
         self.reductions = reductions
         self.nodes = nodes
         self.rid = spec.rid
-        # Plain reductions only: an allreduce's copies and segments have
-        # their own fallback.
-        repairable = not spec.copies and spec.segment is None
+        # Reductions only, a split reduce's segment trees included: an
+        # allreduce (its copies stream the result) has its own fallback.
+        repairable = not spec.copies
         self.repair = TreeRepair(
             spec,
             budget=ctx.config.max_resumes if repairable else 0,
@@ -313,11 +313,11 @@ class ReduceRoots:
         value = check_input(value, spec.inputs[root])
         # The root's input defines the shape and dtype every input must have.
         spec = dataclasses.replace(spec, shape=value.shape, dtype=value.dtype.str)
-        restartable = not spec.copies and spec.segment is None
+        restartable = not spec.copies  # an allreduce has its own fallback
         if spec.addresses[root] != ctx.address:  # Dask ran the root elsewhere
             spec = await self._relocated(spec, set())
         failed: set[str] = set()  # workers that did not answer their node's call
-        kind = "allreduce" if spec.copies or spec.segment is not None else "reduce"
+        kind = "allreduce" if spec.copies else "reduce"
         t0 = time.monotonic()
         for attempt in range(ctx.config.max_resumes + 1):
             try:
