@@ -123,6 +123,10 @@ class ObjectRecord:
     def copies(self) -> set[str]:
         return self.complete | self.holders
 
+    def has_copy(self, address: str) -> bool:
+        """``address`` holds the whole key (without building :meth:`copies`)."""
+        return address in self.complete or address in self.holders
+
 
 class ObjectDirectory:
     """Complete and partial copies per key, and sender assignment.
@@ -400,7 +404,7 @@ class ObjectDirectory:
         elif t is not None:
             if t.sender not in exclude and not self._depends_on(rec, planned, receiver):
                 return self._start(rec, planned, receiver, depth=t.depth + 1)
-        elif planned in rec.copies():
+        elif rec.has_copy(planned):
             return self._start(rec, planned, receiver, depth=1)
         else:
             return Queued(rec.key, receiver)  # until its sender is assigned
