@@ -3,10 +3,12 @@ whoever made the mistake, and the cluster keeps running with nothing lost."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from distributed.comm import connect
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import gen_cluster, gen_test
 
 import dask_hoplite.compat
 from dask_hoplite import Hoplite, HopliteWorker
@@ -144,3 +146,40 @@ async def test_a_fetch_that_waits_too_long_for_a_sender_is_done_by_dask(c, s, a,
     s.plugins["hoplite"].directory.fanout = 0  # no holder ever has an upload slot
     assert await c.submit(checksum, x, workers=[b.address]) == float(np.arange(100_000).sum())
     assert b.plugins["hoplite-worker"].stats.get("keys-received", 0) == 0  # not through hoplite
+
+
+@gen_test()
+async def test_a_failed_segment_stops_the_other_segments_and_names_the_bad_input():
+    # A reduce in parts runs one tree per segment on the root's worker: when
+    # one fails, the others must stop (their roots abort their nodes) rather
+    # than stream on for a result nobody takes, and the error that names an
+    # input wins over a lost connection.
+    from dask_hoplite.errors import ReduceInputError
+    from dask_hoplite.worker.context import all_or_cancel
+
+    started, cancelled = asyncio.Event(), []
+
+    async def streams_on(i):
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(i)
+            raise
+
+    async def fails(e):
+        await started.wait()
+        raise e
+
+    with pytest.raises(ReduceInputError, match="input 'x'"):
+        await all_or_cancel(
+            [
+                streams_on(0),
+                fails(ReduceInputError("input 'x' has shape (2,), not (3,)")),
+                streams_on(2),
+            ],
+            "reduce segment",
+        )
+    await asyncio.sleep(0)
+    assert sorted(cancelled) == [0, 2]
+    assert await all_or_cancel([asyncio.sleep(0, result=i) for i in range(3)], "x") == [0, 1, 2]

@@ -15,7 +15,6 @@ It overrides ``Worker.handle_stimulus`` on the worker instance
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import logging
@@ -32,7 +31,7 @@ from distributed.worker_state_machine import ComputeTaskEvent, StateMachineEvent
 from dask_hoplite.core.graph_reduce import GraphReduce
 from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, select_field
 from dask_hoplite.errors import ReduceInputError
-from dask_hoplite.worker.context import FetchParts, WorkerContext, run_on_loop
+from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, run_on_loop
 from dask_hoplite.worker.reduce_root import ReduceRoots
 
 logger = logging.getLogger(__name__)
@@ -152,7 +151,8 @@ class AggregateTakeover:
             )
             for j, field in enumerate(fields)
         ]
-        results = await asyncio.gather(
-            *(self.roots.run(v, sp.to_msg()) for v, sp in zip(operands, specs, strict=True))
+        results = await all_or_cancel(
+            (self.roots.run(v, sp.to_msg()) for v, sp in zip(operands, specs, strict=True)),
+            "reduce of a field",
         )
         return results[0] if fn.fields is None else dict(zip(fn.fields, results, strict=True))

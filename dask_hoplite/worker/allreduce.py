@@ -36,7 +36,7 @@ from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.errors import ReduceInputError
 from dask_hoplite.streams import pooled_comm, raw_stream, receive_stream
 from dask_hoplite.worker import accounting
-from dask_hoplite.worker.context import FetchParts, WorkerContext, cancel_quietly
+from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, cancel_quietly
 from dask_hoplite.worker.reduce_root import ReduceRoots
 from dask_hoplite.worker.reductions import RunningReductions
 
@@ -113,33 +113,21 @@ class Allreduce:
         self, value: Any, spec_msgs: list[dict[str, Any]], specs: list[ReduceSpec], mine: int
     ) -> Any:
         me = self.ctx.address
-        tasks = [
-            asyncio.create_task(self.roots.run(value, spec_msgs[mine])),
-            *(
-                asyncio.create_task(self.pull_copy(spec_msgs[i], specs[i].copies.index(me)))
-                for i in range(len(specs))
-                if i != mine
-            ),
-        ]
-        try:
-            # The first failure ends the wait: the caller then reduces
-            # everything itself, and the other segments are no use any more.
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            cancel_quietly(tasks)
-        errors: list[BaseException] = []
-        for t in done:
-            if t.cancelled():
-                errors.append(RuntimeError("allreduce segment cancelled"))
-            elif (e := t.exception()) is not None:
-                errors.append(e)
-        if errors or pending:
-            raise next(
-                (e for e in errors if isinstance(e, ReduceInputError)),
-                errors[0] if errors else RuntimeError("allreduce segment cancelled"),
-            )
+        # The first failure ends the wait: the caller then reduces everything
+        # itself, and the other segments are no use any more.
+        results = await all_or_cancel(
+            [
+                self.roots.run(value, spec_msgs[mine]),
+                *(
+                    self.pull_copy(spec_msgs[i], specs[i].copies.index(me))
+                    for i in range(len(specs))
+                    if i != mine
+                ),
+            ],
+            "allreduce segment",
+        )
         order = [mine, *(i for i in range(len(specs)) if i != mine)]
-        return self._assemble(np.shape(value), specs, order, [t.result() for t in tasks])
+        return self._assemble(np.shape(value), specs, order, results)
 
     def _assemble(
         self,

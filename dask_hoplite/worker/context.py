@@ -32,6 +32,7 @@ from distributed.worker_state_machine import SecedeEvent
 
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.store import BlockStore, ObjectBuffer
+from dask_hoplite.errors import ReduceInputError
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,31 @@ def run_on_loop(
     if not seceded:
         secede()
     return sync(worker.loop, fn, *args)
+
+
+async def all_or_cancel(aws: Iterable[Awaitable[T]], what: str) -> list[T]:
+    """The results of ``aws``, run at once, in order. The first failure
+    cancels the others (a reduce tree's root then aborts its nodes on their
+    workers, rather than leaving them streaming for a result nobody will
+    take) and is raised; of several, an error naming a bad input first.
+    ``what`` names one of them in the error of a cancelled one."""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        cancel_quietly(tasks)
+    errors: list[BaseException] = []
+    for t in done:
+        if t.cancelled():
+            errors.append(RuntimeError(f"{what} cancelled"))
+        elif (e := t.exception()) is not None:
+            errors.append(e)
+    if errors or pending:
+        raise next(
+            (e for e in errors if isinstance(e, ReduceInputError)),
+            errors[0] if errors else RuntimeError(f"{what} cancelled"),
+        )
+    return [t.result() for t in tasks]
 
 
 def cancel_quietly(tasks: Iterable[asyncio.Future[Any]]) -> None:

@@ -36,7 +36,7 @@ from dask_hoplite.core.reduce_plan import PlanRequest, plan_reduction
 from dask_hoplite.core.reduce_spec import ReduceSpec, join_segments, reduce_values
 from dask_hoplite.errors import ReduceInputLost
 from dask_hoplite.scheduler_queries import METADATA_KEY
-from dask_hoplite.worker.context import PLUGIN_NAME
+from dask_hoplite.worker.context import PLUGIN_NAME, all_or_cancel
 from dask_hoplite.worker.receiver import get_data_or_reschedule
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ async def run_plan(w: Worker, plan: dict[str, Any]) -> Any:
     if plan["mode"] != "split":
         return await part.roots.run(value, specs[0])
     # Every segment's tree at once; then the segments, in place, make the result.
-    segments = await asyncio.gather(*(part.roots.run(value, s) for s in specs))
+    segments = await all_or_cancel((part.roots.run(value, s) for s in specs), "reduce segment")
     return join_segments(np.shape(value), [ReduceSpec.from_msg(s) for s in specs], segments)
 
 

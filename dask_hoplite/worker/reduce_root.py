@@ -423,9 +423,11 @@ class ReduceRoots:
         # A lost input is often recomputed on a worker holding another one:
         # put the two next to each other in the tree.
         order = colocated_order(spec.parent, addresses, spec.root)
+        # A segment's tree keeps its segment in its id (logs, events).
+        tag = "" if spec.segment is None else f"-s{spec.segment[0]}"
         return dataclasses.replace(
             spec,
-            rid=uuid.uuid4().hex,
+            rid=uuid.uuid4().hex + tag,
             inputs=tuple(keys[i] for i in order),
             addresses=tuple(addresses[i] for i in order),
         )
