@@ -408,6 +408,17 @@ async def test_a_reduce_in_parts_runs_one_tree_per_segment(c, s, *workers):
         assert len(fan_in) >= 2  # a tree, not a star into the root
     who = await c.scheduler.who_has(keys=[result.key])
     assert list(who[result.key]) == [to]
+    # The /hoplite page and /metrics see one reduction (not one per segment)
+    # of the whole object, its time against the whole object's S/B.
+    log = s.plugins["hoplite"].collectives
+    rid = plan["specs"][0]["rid"].rsplit("-s", 1)[0]
+    while not (rows := [r for r in log.recent if r.get("rid") == rid]):
+        await asyncio.sleep(0.01)  # the root's report comes on the batched stream
+    await asyncio.sleep(0.1)  # (and no other report of this reduction after it)
+    rows = [r for r in log.recent if str(r.get("rid")).startswith(rid)]
+    assert [(r["kind"], r["outcome"], r["nbytes"], r["inputs"]) for r in rows] == [
+        ("reduce", "ok", got.nbytes, 7)
+    ], rows
     import pytest
 
     with pytest.raises(ValueError, match="reduce parts must be a positive int"):

@@ -24,7 +24,6 @@ import asyncio
 import logging
 from typing import Any
 
-import numpy as np
 from dask.typing import Key
 from distributed import KilledWorker
 from distributed.protocol import pickle
@@ -33,10 +32,10 @@ from distributed.worker import Worker
 
 from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.reduce_plan import PlanRequest, plan_reduction
-from dask_hoplite.core.reduce_spec import ReduceSpec, join_segments, reduce_values
+from dask_hoplite.core.reduce_spec import reduce_values
 from dask_hoplite.errors import ReduceInputLost
 from dask_hoplite.scheduler_queries import METADATA_KEY
-from dask_hoplite.worker.context import PLUGIN_NAME, all_or_cancel
+from dask_hoplite.worker.context import PLUGIN_NAME
 from dask_hoplite.worker.receiver import get_data_or_reschedule
 
 logger = logging.getLogger(__name__)
@@ -160,9 +159,7 @@ async def run_plan(w: Worker, plan: dict[str, Any]) -> Any:
     [value] = await fetch_values(w, part, [root_key])
     if plan["mode"] != "split":
         return await part.roots.run(value, specs[0])
-    # Every segment's tree at once; then the segments, in place, make the result.
-    segments = await all_or_cancel((part.roots.run(value, s) for s in specs), "reduce segment")
-    return join_segments(np.shape(value), [ReduceSpec.from_msg(s) for s in specs], segments)
+    return await part.roots.run_segments(value, specs)
 
 
 async def fetch_values(w: Worker, part: Any, keys: list[Key]) -> list[Any]:

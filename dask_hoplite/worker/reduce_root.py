@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 from dask.typing import Key
 
 from dask_hoplite.core.planner import (
@@ -31,12 +32,12 @@ from dask_hoplite.core.planner import (
     plan_reduce_tree,
 )
 from dask_hoplite.core.reduce_ops import resolve_op
-from dask_hoplite.core.reduce_spec import ReduceSpec, check_input
+from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, join_segments
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.core.tree_repair import TreeRepair
 from dask_hoplite.errors import NodeFailed, ReduceInputError, node_error
 from dask_hoplite.scheduler_queries import network_estimate, wait_for_holders
-from dask_hoplite.worker.context import WorkerContext, cancel_quietly
+from dask_hoplite.worker.context import WorkerContext, all_or_cancel, cancel_quietly
 from dask_hoplite.worker.reduce_node import ReduceNodes
 from dask_hoplite.worker.reductions import RunningReductions
 
@@ -307,8 +308,38 @@ class ReduceRoots:
     async def run(self, value: Any, spec_msg: dict[str, Any]) -> Any:
         """The result of the reduction ``spec_msg`` rooted here (``value``: the
         root's input), restarting a plain reduction whose tree broke."""
-        ctx = self.ctx
         spec = ReduceSpec.from_msg(spec_msg)
+        kind = "allreduce" if spec.copies else "reduce"
+        t0 = time.monotonic()
+        try:
+            result, restarted = await self._reduce(value, spec)
+        except Exception:
+            self._ended(spec.rid, len(spec.inputs), kind, "failed", t0)
+            raise
+        outcome = "restarted" if restarted else "ok"
+        self._ended(spec.rid, len(spec.inputs), kind, outcome, t0, result.nbytes)
+        return result
+
+    async def run_segments(self, value: Any, spec_msgs: list[dict[str, Any]]) -> Any:
+        """The result of a reduce in parts rooted here: every segment's tree
+        at once (the first that fails for good stops the others), the
+        segments joined in place; counted and reported as one reduction."""
+        specs = [ReduceSpec.from_msg(m) for m in spec_msgs]
+        rid, n = specs[0].rid.rsplit("-s", 1)[0], len(specs[0].inputs)
+        t0 = time.monotonic()
+        try:
+            done = await all_or_cancel((self._reduce(value, s) for s in specs), "reduce segment")
+        except Exception:
+            self._ended(rid, n, "reduce", "failed", t0)
+            raise
+        result = join_segments(np.shape(value), specs, [r for r, _ in done])
+        outcome = "restarted" if any(restarted for _, restarted in done) else "ok"
+        self._ended(rid, n, "reduce", outcome, t0, result.nbytes)
+        return result
+
+    async def _reduce(self, value: Any, spec: ReduceSpec) -> tuple[Any, bool]:
+        """The result of tree ``spec``, and whether it was restarted."""
+        ctx = self.ctx
         root = spec.root
         value = check_input(value, spec.inputs[root])
         # The root's input defines the shape and dtype every input must have.
@@ -317,32 +348,29 @@ class ReduceRoots:
         if spec.addresses[root] != ctx.address:  # Dask ran the root elsewhere
             spec = await self._relocated(spec, set())
         failed: set[str] = set()  # workers that did not answer their node's call
-        kind = "allreduce" if spec.copies else "reduce"
-        t0 = time.monotonic()
         for attempt in range(ctx.config.max_resumes + 1):
             try:
                 result = await self._attempt(spec, value)
-                logger.debug("reduction %s took %.2fs", spec.rid, time.monotonic() - t0)
                 break
             except ReduceInputError:
-                self._ended(spec, kind, "failed", t0)
                 raise
             except Exception as e:
                 if not restartable or attempt == ctx.config.max_resumes:
-                    self._ended(spec, kind, "failed", t0)
                     raise
                 if isinstance(e, NodeFailed) and e.unreachable:
                     failed.add(e.address)
                 spec = await self._restart(spec, e, failed)
-        self._ended(spec, kind, "restarted" if attempt else "ok", t0, result.nbytes)
         if not spec.children(root):  # a single input: its buffer is the input itself
             result = result.copy()
         resolve_op(spec.op).finish(result, len(spec.inputs))
-        return result
+        return result, attempt > 0
 
-    def _ended(self, spec: ReduceSpec, kind: str, outcome: str, t0: float, nbytes: int = 0) -> None:
-        """A reduction rooted here ended: count it, and report it to the
-        scheduler's collective log (``/metrics``, the ``/hoplite`` page)."""
+    def _ended(
+        self, rid: str, inputs: int, kind: str, outcome: str, t0: float, nbytes: int = 0
+    ) -> None:
+        """Reduction ``rid`` of ``inputs`` rooted here ended: count it, and
+        report it to the scheduler's collective log (``/metrics``, the
+        ``/hoplite`` page)."""
         ctx = self.ctx
         ctx.collectives[kind, outcome] += 1
         ctx.send(
@@ -350,9 +378,9 @@ class ReduceRoots:
                 "op": "hoplite-collective",
                 "kind": kind,
                 "outcome": outcome,
-                "rid": spec.rid,
+                "rid": rid,
                 "root": ctx.address,
-                "inputs": len(spec.inputs),
+                "inputs": inputs,
                 "nbytes": int(nbytes),
                 "seconds": time.monotonic() - t0,
             }
