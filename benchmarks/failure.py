@@ -118,8 +118,8 @@ else:
     t0 = time.perf_counter()
     if method == "hoplite":
         import dask_hoplite as dh
-        parts = 2 if scenario == "reduce-parts" else 1
-        total = dh.reduce(inputs, "sum", parts=parts)
+        # None: hoplite.reduce.parts, as a user's call would have it
+        total = dh.reduce(inputs, "sum", parts=2 if scenario == "reduce-parts" else None)
     else:
         total = c.submit(lambda *xs: sum(xs), *inputs, workers=[ws[0]], pure=False)
     wait(total, timeout=900)

@@ -39,7 +39,7 @@ from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.planner import max_chain_length, plan_reduce_tree
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_plan import PlanRequest, tree_spec
-from dask_hoplite.core.reduce_spec import ReduceSpec, reduce_values
+from dask_hoplite.core.reduce_spec import ReduceSpec, reduce_values, segment_rid
 from dask_hoplite.scheduler_queries import hoplite_registered
 from dask_hoplite.split_broadcast import split_broadcast
 from dask_hoplite.worker import tasks
@@ -257,7 +257,7 @@ def _allreduce_segmented(
             parent[slot_at[p]] = None if q is None else slot_at[q]
         specs.append(
             ReduceSpec(
-                rid=f"{rid}-s{i}",
+                rid=segment_rid(rid, i),
                 op=op,
                 inputs=tuple(f.key for f in chosen),
                 addresses=tuple(addresses),

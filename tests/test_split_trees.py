@@ -231,6 +231,9 @@ def test_split_reduce_trees_receive_and_send_the_object_once_per_host(n, parts, 
     keys = [f"k{i}" for i in range(len(addresses))]
     specs = split_tree_specs("r", "sum", keys, addresses, root_input, parts, 1024)
     assert [s.segment for s in specs] == [(j, parts) for j in range(parts)]
+    # Each tree has its own id; all name the one reduction they make up.
+    assert len({s.rid for s in specs}) == parts
+    assert {s.reduction_rid for s in specs} == {"r"}
     down: Counter[str] = Counter()  # segment streams into each host
     up: Counter[str] = Counter()
     for spec in specs:

@@ -26,7 +26,7 @@ from dask.typing import Key
 
 from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
-from dask_hoplite.core.reduce_spec import ReduceSpec
+from dask_hoplite.core.reduce_spec import ReduceSpec, segment_rid
 from dask_hoplite.core.split_trees import split_tree_parents
 
 
@@ -96,7 +96,7 @@ def split_tree_specs(
                 parent.append(first[plan[a]])
         specs.append(
             ReduceSpec(
-                rid=f"{rid}-s{j}",
+                rid=segment_rid(rid, j),
                 op=op,
                 inputs=tuple(keys),
                 addresses=tuple(addresses),

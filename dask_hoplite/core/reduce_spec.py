@@ -25,6 +25,15 @@ from dask_hoplite.errors import ReduceInputError
 #: First element of a partial result's key: ``(PARTIAL, rid, slot)``.
 PARTIAL = "hoplite-reduce"
 
+#: Between a reduction's id and a segment's number in a segment tree's id.
+SEGMENT_TAG = "-s"
+
+
+def segment_rid(rid: str, segment: int) -> str:
+    """The id of segment ``segment``'s tree of reduction ``rid`` (a reduce in
+    parts, or a segmented allreduce)."""
+    return f"{rid}{SEGMENT_TAG}{segment}"
+
 
 @dataclass(frozen=True)
 class ReduceSpec:
@@ -94,6 +103,17 @@ class ReduceSpec:
             return tuple(self.shape)
         lo, hi = self.bounds()
         return (hi - lo,)
+
+    @property
+    def is_allreduce(self) -> bool:
+        """Copies stream the result as it is reduced: an allreduce, which has
+        its own fallback and is neither repaired nor restarted as a tree."""
+        return bool(self.copies)
+
+    @property
+    def reduction_rid(self) -> str:
+        """The id of the whole reduction this tree is part of."""
+        return self.rid if self.segment is None else self.rid.rsplit(SEGMENT_TAG, 1)[0]
 
     def children(self, slot: int) -> list[int]:
         return [i for i, p in enumerate(self.parent) if p == slot]

@@ -32,7 +32,7 @@ from dask_hoplite.core.planner import (
     plan_reduce_tree,
 )
 from dask_hoplite.core.reduce_ops import resolve_op
-from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, join_segments
+from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, join_segments, segment_rid
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.core.tree_repair import TreeRepair
 from dask_hoplite.errors import NodeFailed, ReduceInputError, node_error
@@ -60,12 +60,10 @@ class TreeRoot:
         self.reductions = reductions
         self.nodes = nodes
         self.rid = spec.rid
-        # Reductions only, a split reduce's segment trees included: an
-        # allreduce (its copies stream the result) has its own fallback.
-        repairable = not spec.copies
+        # A split reduce's segment trees are repaired too; an allreduce is not.
         self.repair = TreeRepair(
             spec,
-            budget=ctx.config.max_resumes if repairable else 0,
+            budget=0 if spec.is_allreduce else ctx.config.max_resumes,
             grace=ctx.config.stall_timeout,
         )
         self.slot_of: dict[Task, int] = {}
@@ -309,7 +307,7 @@ class ReduceRoots:
         """The result of the reduction ``spec_msg`` rooted here (``value``: the
         root's input), restarting a plain reduction whose tree broke."""
         spec = ReduceSpec.from_msg(spec_msg)
-        kind = "allreduce" if spec.copies else "reduce"
+        kind = "allreduce" if spec.is_allreduce else "reduce"
         t0 = time.monotonic()
         try:
             result, restarted = await self._reduce(value, spec)
@@ -325,7 +323,7 @@ class ReduceRoots:
         at once (the first that fails for good stops the others), the
         segments joined in place; counted and reported as one reduction."""
         specs = [ReduceSpec.from_msg(m) for m in spec_msgs]
-        rid, n = specs[0].rid.rsplit("-s", 1)[0], len(specs[0].inputs)
+        rid, n = specs[0].reduction_rid, len(specs[0].inputs)
         t0 = time.monotonic()
         try:
             done = await all_or_cancel((self._reduce(value, s) for s in specs), "reduce segment")
@@ -344,7 +342,6 @@ class ReduceRoots:
         value = check_input(value, spec.inputs[root])
         # The root's input defines the shape and dtype every input must have.
         spec = dataclasses.replace(spec, shape=value.shape, dtype=value.dtype.str)
-        restartable = not spec.copies  # an allreduce has its own fallback
         if spec.addresses[root] != ctx.address:  # Dask ran the root elsewhere
             spec = await self._relocated(spec, set())
         failed: set[str] = set()  # workers that did not answer their node's call
@@ -355,7 +352,7 @@ class ReduceRoots:
             except ReduceInputError:
                 raise
             except Exception as e:
-                if not restartable or attempt == ctx.config.max_resumes:
+                if spec.is_allreduce or attempt == ctx.config.max_resumes:
                     raise
                 if isinstance(e, NodeFailed) and e.unreachable:
                     failed.add(e.address)
@@ -452,10 +449,10 @@ class ReduceRoots:
         # put the two next to each other in the tree.
         order = colocated_order(spec.parent, addresses, spec.root)
         # A segment's tree keeps its segment in its id (logs, events).
-        tag = "" if spec.segment is None else f"-s{spec.segment[0]}"
+        rid = uuid.uuid4().hex
         return dataclasses.replace(
             spec,
-            rid=uuid.uuid4().hex + tag,
+            rid=rid if spec.segment is None else segment_rid(rid, spec.segment[0]),
             inputs=tuple(keys[i] for i in order),
             addresses=tuple(addresses[i] for i in order),
         )
