@@ -5,8 +5,10 @@ cluster, then run where the emulation cannot go: 1,024 workers at 10 Gbit/s.
     # calibrate on measurements and print predicted against measured
     python benchmarks/simulate.py --calibrate benchmarks/results/scaling.json
 
-    # the 1,024-worker table (calibrated on the default measurement files first)
-    python benchmarks/simulate.py --out benchmarks/results/simulation-1024
+    # the 1,024-worker table (calibrated on the default measurement files first,
+    # their runs pooled per configuration; here fitted at N = 8 and 16 only)
+    python benchmarks/simulate.py --fit-workers 8 16 --parts 1 8 \
+        --out benchmarks/results/simulation-1024-pooled
 
 Scenarios for a broadcast from one worker to all others and a reduce of one
 object per worker: (a) every receiver / input ready at t=0; (b) receivers
@@ -49,6 +51,13 @@ DEFAULT_MEASUREMENTS = [
         "reduce.json",
         "reduce-256MiB.json",
         "scaling.json",  # N = 4, 8, 16 when measured: then setup is fitted too
+        # Later runs of the same configurations: pooled with the above (median).
+        "scaling-8-rerun.json",
+        "scaling-16-rerun.json",
+        "scaling-16-parts.json",
+        "scaling-16-split.json",
+        "scaling-16-eve.json",
+        "scaling-16-250.json",
     )
 ]
 
@@ -73,28 +82,34 @@ class Row:
     wall_seconds: float = 0.0
 
 
-def calibration_table(paths: list[str]) -> Overheads:
-    data = calibrate.load(paths)
+def calibration_table(paths: list[str], workers: list[int] | None = None) -> Overheads:
+    """Fit the overheads to the runs in ``paths``, pooled per configuration
+    (median), on the cluster sizes ``workers`` (all if None); print every
+    pooled entry, fitted or not, predicted against measured."""
+    data = calibrate.pool(calibrate.load(paths))
     if not data:
         raise SystemExit(f"no modelled entries (hoplite/dask broadcast, reduce) in {paths}")
-    best, fitted = calibrate.fit(data)
+    best, fitted = calibrate.fit(data, workers=workers)
     print(
-        f"fitted {', '.join(fitted)}: efficiency {best.efficiency:.3f}, "
+        f"fitted {', '.join(fitted)} on N = {', '.join(map(str, workers or ['all']))}: "
+        f"efficiency {best.efficiency:.3f}, "
         f"hop latency {best.hop_latency * 1e3:.2f} ms, setup {best.setup * 1e3:.2f} ms"
         + ("" if "setup" in fitted else " (fixed: one cluster size only)")
     )
     hdr = (
-        f"{'file':<22} {'collective':<10} {'op':<10} {'N':>3} {'S':>10} {'Mbit':>5} "
-        f"{'measured':>9} {'predicted':>9} {'error':>7}"
+        f"{'collective':<10} {'op':<10} {'N':>3} {'S':>10} {'Mbit':>5} {'runs':>4} "
+        f"{'min':>7} {'max':>7} {'median':>7} {'predicted':>9} {'error':>7}  fitted"
     )
     print(hdr)
     print("-" * len(hdr))
     for r in calibrate.compare(data, best):
         m = r.m
+        used = m.op == "hoplite" and (workers is None or m.n_workers in workers)
         print(
-            f"{m.source[:22]:<22} {m.collective:<10} {m.op:<10} {m.n_workers:>3} "
-            f"{format_bytes(m.size):>10} {m.rate_mbit:>5.0f} {m.seconds:>9.3f} "
-            f"{r.predicted:>9.3f} {r.error:>+6.1f}%"
+            f"{m.collective:<10} {m.op:<10} {m.n_workers:>3} "
+            f"{format_bytes(m.size):>10} {m.rate_mbit:>5.0f} {len(m.runs):>4} {min(m.runs):>7.3f} "
+            f"{max(m.runs):>7.3f} {m.seconds:>7.3f} {r.predicted:>9.3f} {r.error:>+6.1f}%  "
+            + ("yes" if used else "no")
         )
     return best
 
@@ -246,6 +261,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calibrate", nargs="+", metavar="RESULTS.json", help="fit and compare only")
     p.add_argument("--measurements", nargs="+", default=DEFAULT_MEASUREMENTS)
+    p.add_argument(
+        "--fit-workers",
+        nargs="+",
+        type=int,
+        help="fit on these cluster sizes only (default: every size); the rest are predicted",
+    )
     p.add_argument("--workers", type=int, default=1024)
     p.add_argument("--size", type=parse_bytes, default=int(1e9))
     p.add_argument("--gbit", type=float, default=10.0)
@@ -271,9 +292,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=os.path.join(RESULTS, "simulation-1024"))
     args = p.parse_args(argv)
     if args.calibrate:
-        calibration_table(args.calibrate)
+        calibration_table(args.calibrate, args.fit_workers)
         return
-    overheads = calibration_table([m for m in args.measurements if os.path.exists(m)])
+    measurements = [m for m in args.measurements if os.path.exists(m)]
+    overheads = calibration_table(measurements, args.fit_workers)
     if args.hop_latency is not None:
         overheads = Overheads(overheads.efficiency, args.hop_latency, overheads.setup)
     print(

@@ -5,6 +5,7 @@ S/B plus its hop latencies, Dask's star (N-1) S/B, 1,024 workers in bounds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -291,3 +292,47 @@ def test_incremental_rates_match_a_full_recomputation_at_every_event(seed, monke
     monkeypatch.setattr(Network, "incremental_default", False)
     for got, full in zip(fast, runs(), strict=True):
         assert got == pytest.approx(full, rel=1e-9)
+
+
+def test_runs_of_one_configuration_are_pooled_by_their_median(tmp_path):
+    """A configuration measured on several days is fitted once, at its median:
+    one slow day does not pull the fit, and another configuration's runs are
+    not mixed in."""
+    from benchmarks.simulator import calibrate
+
+    def entry(n, mbit, seconds, collective="broadcast"):
+        return {
+            "op": "hoplite",
+            "collective": collective,
+            "n_workers": n,
+            "size": 256 * MiB,
+            "rate_mbit": mbit,
+            "seconds": seconds,
+        }
+
+    (tmp_path / "a.json").write_text(json.dumps([entry(16, 500.0, 5.3), entry(8, 1000.0, 2.4)]))
+    (tmp_path / "b.json").write_text(json.dumps([entry(16, 500.0, 7.8), entry(16, 250.0, 10.2)]))
+    (tmp_path / "c.json").write_text(
+        json.dumps([entry(16, 500.0, 5.8), entry(16, 500.0, 5.6, "reduce")])
+    )
+    data = calibrate.load([str(tmp_path / f) for f in ("a.json", "b.json", "c.json")])
+    pooled = {(m.collective, m.n_workers, m.rate_mbit): m for m in calibrate.pool(data)}
+    assert len(pooled) == 4
+    b16 = pooled["broadcast", 16, 500.0]
+    assert b16.seconds == 5.8 and sorted(b16.runs) == [5.3, 5.8, 7.8]
+    assert b16.source == "a.json,b.json,c.json"
+    assert pooled["reduce", 16, 500.0].runs == (5.6,)
+    assert pooled["broadcast", 8, 1000.0].seconds == 2.4
+
+    # Fitting on N = 16 only leaves a far-off N = 8 entry out of the fit.
+    truth = Overheads(efficiency=0.9, hop_latency=0.004, setup=0.002)
+    only16 = [
+        dataclasses.replace(m, seconds=calibrate.predict(m, truth))
+        for m in pooled.values()
+        if m.n_workers == 16
+    ]
+    off8 = dataclasses.replace(pooled["broadcast", 8, 1000.0], seconds=9.0)
+    best, _ = calibrate.fit([*only16, off8], workers=[16])
+    assert all(abs(r.error) < 0.5 for r in calibrate.compare(only16, best))
+    best_all, _ = calibrate.fit([*only16, off8])
+    assert max(abs(r.error) for r in calibrate.compare(only16, best_all)) > 5

@@ -8,6 +8,12 @@ Entries used: ``op`` ``hoplite`` (the pipelined broadcast or reduce), ``dask``
 entry's ``collective`` field, or else ``reduce`` if the file's name says so.
 Measured seconds are the median of the warm repetitions.
 
+Runs of one configuration (collective, op, N, size, rate) from several files
+are pooled by :func:`pool`: their median is the one figure fitted and
+compared. On the 2-core machine that emulates the cluster, one configuration
+measured on different days spread by up to 47% (a 16-host reduce: 5.3 to
+7.8 s), so a fit to single runs fits the day as much as the model.
+
 Parameters are fitted (least squares on log(predicted / measured)) only where
 the data can tell them apart: ``efficiency`` and ``hop_latency`` always;
 ``setup`` (a fixed cost per stream) only when hoplite was measured at two or
@@ -20,7 +26,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterable
+import statistics
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from scipy.optimize import least_squares
@@ -48,6 +55,8 @@ class Measurement:
     size: int
     rate_mbit: float
     seconds: float
+    #: Every run's seconds, when this entry pools several (see :func:`pool`).
+    runs: tuple[float, ...] = ()
 
     @property
     def bound(self) -> float:
@@ -84,17 +93,41 @@ def load(paths: Iterable[str], min_size: int = 16 * MiB) -> list[Measurement]:
     return out
 
 
+def pool(data: list[Measurement]) -> list[Measurement]:
+    """One entry per configuration (collective, op, N, size, rate), in the
+    order first seen: the median of its runs' seconds, every run kept in
+    ``runs``, and the files they came from joined in ``source``."""
+    groups: dict[tuple[str, str, int, int, float], list[Measurement]] = {}
+    for m in data:
+        groups.setdefault((m.collective, m.op, m.n_workers, m.size, m.rate_mbit), []).append(m)
+    out = []
+    for (collective, op, n, size, rate), ms in groups.items():
+        runs = tuple(m.seconds for m in ms)
+        sources = ",".join(dict.fromkeys(m.source for m in ms))
+        out.append(
+            Measurement(sources, collective, op, n, size, rate, statistics.median(runs), runs)
+        )
+    return out
+
+
 def predict(m: Measurement, overheads: Overheads) -> float:
     cluster = Cluster(m.rate_mbit * 1e6 / 8, overheads)
     return MODELS[m.collective, m.op](cluster, m.n_workers, m.size).seconds
 
 
-def fit(data: list[Measurement], start: Overheads | None = None) -> tuple[Overheads, list[str]]:
-    """The overheads that fit ``data``'s hoplite entries best, and the names
-    of those fitted. Dask's entries are predicted, not fitted: the star model
-    is an upper bound for Dask (its receivers also fetch from receivers that
-    finished), and fitting it would pull the overheads away from hoplite's."""
+def fit(
+    data: list[Measurement],
+    start: Overheads | None = None,
+    workers: Collection[int] | None = None,
+) -> tuple[Overheads, list[str]]:
+    """The overheads that fit ``data``'s hoplite entries best (those of
+    ``workers`` hosts only, if given), and the names of those fitted. Dask's
+    entries are predicted, not fitted: the star model is an upper bound for
+    Dask (its receivers also fetch from receivers that finished), and fitting
+    it would pull the overheads away from hoplite's."""
     start = start or Overheads()
+    if workers is not None:
+        data = [m for m in data if m.n_workers in workers]
     data = [m for m in data if m.op == "hoplite"] or data
     sizes = {m.n_workers for m in data if m.op == "hoplite"}
     names = ["efficiency", "hop_latency"] + (["setup"] if len(sizes) > 1 else [])
