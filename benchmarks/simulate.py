@@ -39,9 +39,12 @@ from benchmarks.simulator import calibrate  # noqa: E402
 from benchmarks.simulator.broadcast import Outcome, dask_broadcast, hoplite_broadcast  # noqa: E402
 from benchmarks.simulator.params import Cluster, Overheads, address  # noqa: E402
 from benchmarks.simulator.reduce import HopliteReduce, SplitReduce, dask_reduce  # noqa: E402
+from benchmarks.simulator.spread_repair import SpreadReduce  # noqa: E402
 
 #: One simulated run: (arrivals, failures) -> outcome.
 Run = Callable[[Mapping[str, float] | None, Mapping[str, float] | None], Outcome]
+#: How a dead reduce node is repaired, by name (``--reduce-repair``).
+REPAIRS: dict[str, type[HopliteReduce]] = {"replace": HopliteReduce, "spread": SpreadReduce}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_MEASUREMENTS = [
     os.path.join(RESULTS, f)
@@ -154,12 +157,16 @@ def _reduce(
     size: float,
     parts: int,
     seed: int,
+    repair: str,
     arrivals: dict[str, float] | None,
     failures: dict[str, float] | None,
 ) -> Outcome:
+    tree_class = REPAIRS[repair]
     if parts == 1:
-        return HopliteReduce(cluster, n, size, seed=seed).run(arrivals, failures)
-    return SplitReduce(cluster, n, size, parts, seed=seed).run(arrivals, failures)
+        return tree_class(cluster, n, size, seed=seed).run(arrivals, failures)
+    return SplitReduce(cluster, n, size, parts, tree_class=tree_class, seed=seed).run(
+        arrivals, failures
+    )
 
 
 def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
@@ -201,9 +208,11 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
             root = plan.host_of_node_before_start(plan.tree.root)
         else:
             root = workers[0]  # SplitReduce roots every segment's tree there
-        run: Run = partial(_reduce, cluster, n, size, parts, args.seed)
-        method = "hoplite" if parts == 1 else f"hoplite-parts{parts}"
-        runs("reduce", run, [w for w in workers if w != root], method)
+        for repair in args.reduce_repair:
+            run: Run = partial(_reduce, cluster, n, size, parts, args.seed, repair)
+            method = "hoplite" if parts == 1 else f"hoplite-parts{parts}"
+            method += "" if repair == "replace" else f"-{repair}"
+            runs("reduce", run, [w for w in workers if w != root], method)
     if args.dask:
         row, t0 = _row("broadcast", "dask", "a: all at t=0", n, size, cluster)
         rows.append(_fill(row, dask_broadcast(cluster, n, size), t0))
@@ -214,7 +223,7 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
 
 def print_rows(rows: list[Row]) -> None:
     hdr = (
-        f"{'collective':<10} {'method':<9} {'scenario':<22} {'seconds':>8} {'x S/B':>7} "
+        f"{'collective':<10} {'method':<21} {'scenario':<22} {'seconds':>8} {'x S/B':>7} "
         f"{'x (last+S/B)':>12} {'depth':>5} {'resumes':>7} {'repairs':>7} {'wall s':>6}"
     )
     print(hdr)
@@ -222,10 +231,16 @@ def print_rows(rows: list[Row]) -> None:
     for r in rows:
         arr = f"{r.ratio_arrival_bound:.2f}" if r.last_arrival else "-"
         print(
-            f"{r.collective:<10} {r.method:<9} {r.scenario:<22} {r.seconds:>8.3f} "
+            f"{r.collective:<10} {r.method:<21} {r.scenario:<22} {r.seconds:>8.3f} "
             f"{r.ratio_bound:>7.2f} {arr:>12} {r.depth:>5} {r.resumes:>7} {r.repairs:>7} "
             f"{r.wall_seconds:>6.1f}"
         )
+
+
+def _label(r: Row) -> str:
+    """A bar's label: collective, variant (parts, repair), scenario letter."""
+    variant = r.method.removeprefix("hoplite").lstrip("-") or "parts1"
+    return "\n".join([r.collective, *variant.split("-"), r.scenario.split(":")[0]])
 
 
 def plot(rows: list[Row], path: str, overheads: Overheads) -> None:
@@ -234,9 +249,9 @@ def plot(rows: list[Row], path: str, overheads: Overheads) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hop = [r for r in rows if r.method == "hoplite"]
-    labels = [f"{r.collective}\n{r.scenario.split(':')[0]}" for r in hop]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    hop = [r for r in rows if r.method.startswith("hoplite")]
+    labels = [_label(r) for r in hop]
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(hop)), 4.5))
     ax.bar(range(len(hop)), [r.ratio_bound for r in hop], color="tab:blue", label="x S/B")
     arr = [(i, r.ratio_arrival_bound) for i, r in enumerate(hop) if r.last_arrival]
     if arr:
@@ -244,7 +259,7 @@ def plot(rows: list[Row], path: str, overheads: Overheads) -> None:
         ax.plot(xs, ys, "o", color="tab:orange", label="x (last arrival + S/B)")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.axhline(1.5, color="tab:red", lw=0.8, ls="--", label="1.5x target")
-    ax.set_xticks(range(len(hop)), labels, fontsize=8)
+    ax.set_xticks(range(len(hop)), labels, fontsize=6)
     ax.set_ylabel("time / (S/B)")
     r0 = rows[0]
     ax.set_title(
@@ -285,6 +300,14 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=[1],
         help="broadcast / reduce in this many parts (split trees); one run per value",
+    )
+    p.add_argument(
+        "--reduce-repair",
+        nargs="+",
+        choices=sorted(REPAIRS),
+        default=["replace"],
+        help="how a dead reduce node is repaired: 'replace' as dask-hoplite does; 'spread', "
+        "a proposed repair not built yet (benchmarks/simulator/spread_repair.py)",
     )
     p.add_argument("--block-bytes", type=parse_bytes, default=Cluster.block_bytes)
     p.add_argument("--hop-latency", type=float, help="seconds; overrides the calibration")

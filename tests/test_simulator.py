@@ -336,3 +336,48 @@ def test_runs_of_one_configuration_are_pooled_by_their_median(tmp_path):
     assert all(abs(r.error) < 0.5 for r in calibrate.compare(only16, best))
     best_all, _ = calibrate.fit([*only16, off8])
     assert max(abs(r.error) for r in calibrate.compare(only16, best_all)) > 5
+
+
+@pytest.mark.parametrize("parts", [1, 8])
+def test_a_spread_repair_keeps_every_live_node_on_a_path_to_the_root(parts):
+    """The proposed repair (benchmarks/simulator/spread_repair.py): a dead
+    node's children move to live nodes outside its subtree, so every live node
+    still reaches the root without a cycle, and the reduction completes."""
+    from benchmarks.simulator.spread_repair import SpreadReduce
+
+    cluster = Cluster(1.25e9, Overheads(efficiency=0.9, hop_latency=0.0, setup=0.001))
+    n, size = 64, 2e8
+    split = SplitReduce(cluster, n, size, parts, tree_class=SpreadReduce)
+    victims = {address(i): t for i, t in [(5, 0.03), (17, 0.08), (40, 0.12)]}
+    out = split.run(failures=victims)
+    assert out.repairs == 3 * parts  # each victim's node in every segment's tree
+    for tree in split.trees:
+        assert isinstance(tree, SpreadReduce)
+        dead = {v for v, h in enumerate(tree.host) if h in victims}
+        assert tree.gone == dead
+        for v in set(range(n)) - dead:
+            seen = set()
+            while v != tree.tree.root:
+                assert v not in seen and v not in dead
+                seen.add(v)
+                v = tree.parent[v]
+
+
+def test_spreading_a_dead_node_costs_less_than_replacing_it_when_every_nic_is_full():
+    """In split trees every NIC is full. Replacing a dead node on the worker that
+    recomputed its input doubles that worker's load for the rest of the run;
+    spreading its children and merging its input does not."""
+    from benchmarks.simulator.spread_repair import SpreadReduce
+
+    cluster = Cluster(1.25e9, Overheads(efficiency=0.9, hop_latency=0.0, setup=0.001))
+    n, size, parts = 128, 4e8, 8
+    base = SplitReduce(cluster, n, size, parts).run()
+    assert SplitReduce(cluster, n, size, parts, tree_class=SpreadReduce).run().seconds == (
+        pytest.approx(base.seconds)
+    )
+    fail = {address(9): 0.2 * base.seconds}
+    replaced = SplitReduce(cluster, n, size, parts).run(failures=fail)
+    spread = SplitReduce(cluster, n, size, parts, tree_class=SpreadReduce).run(failures=fail)
+    assert replaced.repairs == spread.repairs == parts
+    assert replaced.seconds > 1.4 * base.seconds  # about (2 - 0.2) x
+    assert spread.seconds < 1.2 * base.seconds

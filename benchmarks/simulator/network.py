@@ -144,6 +144,10 @@ class Network:
             flow.into.inflow = None
         self._touch_readers(flow.into)
 
+    def flows_into(self, host: str) -> int:
+        """How many flows share ``host``'s downlink now."""
+        return len(self._on_link.get(("d", host), ()))
+
     def remove_host(self, host: str) -> list[Flow]:
         """Drop every flow from or to ``host`` (it died); returns them."""
         gone = [f for f in self.flows if host in (f.src, f.dst)]

@@ -67,8 +67,10 @@ class HopliteReduce:
         tree: ReduceTree | None = None,
         engine: Engine | None = None,
         streams: int = 1,
+        segment: int = 0,
     ) -> None:
         self.cluster = cluster
+        self.segment = segment  # which segment's tree, in a reduce in parts
         self.size = size
         self.recompute = recompute
         self.budget = budget
@@ -85,6 +87,9 @@ class HopliteReduce:
         self.dead: set[str] = set()
         self.host: list[str] = []  # worker running each node now
         self.recv: list[Buffer] = []  # node's stream on its parent's worker
+        self.parent: list[int | None] = []  # each node's parent now
+        self.sources: list[list[Buffer]] = []  # the streams each node combines now
+        self.outflow: list[Flow | None] = []  # each node's stream to its parent
         self.remaining: set[int] = set()  # root's children not complete
         self.outcome = Outcome(0.0, depth=self.tree.height())
         self.repair: TreeRepair | None = None
@@ -103,10 +108,14 @@ class HopliteReduce:
         for w, t in (failures or {}).items():
             self.engine.at(t, partial(self._fail, w))
         self.engine.run()
-        if self.remaining or not self.host:
-            raise RuntimeError("the reduction did not complete")
+        self.check_complete()
         self.outcome.events = self.engine.events
         return self.outcome
+
+    def check_complete(self) -> None:
+        """Raise unless the reduction reached its root."""
+        if self.remaining or not self.host:
+            raise RuntimeError("the reduction did not complete")
 
     def host_of_node_before_start(self, node: int) -> str:
         """The worker node ``node`` runs on when every input is ready at t=0."""
@@ -133,6 +142,9 @@ class HopliteReduce:
         self.host = list(hosts)
         self.repair = TreeRepair(self._spec(), budget=self.budget, grace=60.0)
         self.recv = [Buffer(self.size) for _ in range(self.tree.n)]
+        self.parent = list(self.tree.parent)
+        self.sources = [[self.recv[c] for c in self.tree.children(v)] for v in range(self.tree.n)]
+        self.outflow = [None] * self.tree.n
         self.remaining = set(self.tree.children(self.tree.root))
         start = now + self.cluster.overheads.setup
         for v in range(self.tree.n):
@@ -143,18 +155,19 @@ class HopliteReduce:
 
     def _stream(self, v: int, start: float) -> None:
         """Node ``v`` streams the sum of its children's streams to its parent."""
-        parent = self.tree.parent[v]
+        parent = self.parent[v]
         assert parent is not None
         flow = Flow(
             self.host[v],
             self.host[parent],
             self.recv[v],
-            sources=tuple(self.recv[c] for c in self.tree.children(v)),
+            sources=tuple(self.sources[v]),
             lag=self.cluster.lag(self.size, self.streams),
             start=start,
             on_done=partial(self._done, v),
         )
         self.net.add(flow)
+        self.outflow[v] = flow
 
     def _done(self, v: int, flow: Flow, now: float) -> None:
         if flow.into is not self.recv[v]:
@@ -200,6 +213,7 @@ class HopliteReduce:
             self.recv[c] = Buffer(self.size, pos=offset)
             if self.host[c] not in self.dead:
                 self._stream(c, start)
+        self.sources[v] = [self.recv[c] for c in self.tree.children(v)]
         parent = self.tree.parent[v]
         assert parent is not None
         if self.host[parent] not in self.dead:
@@ -232,25 +246,35 @@ class SplitReduce:
     network. Each tree repairs its own nodes; the reduction ends when the
     last segment reaches the root."""
 
-    def __init__(self, cluster: Cluster, n_workers: int, size: float, parts: int, **kw: float):
+    def __init__(
+        self,
+        cluster: Cluster,
+        n_workers: int,
+        size: float,
+        parts: int,
+        tree_class: type[HopliteReduce] | None = None,
+        **kw: float,
+    ):
+        tree_class = tree_class or HopliteReduce  # the repair, as built
         workers = [address(i) for i in range(n_workers)]
         specs = split_tree_specs("sim", "sum", workers, workers, 0, parts, cluster.block_bytes)
         self.engine = Engine(Network(cluster.rate))
         self.trees = []
-        for spec in specs:
+        for j, spec in enumerate(specs):
             children: list[list[int]] = [[] for _ in spec.parent]
             for v, p in enumerate(spec.parent):
                 if p is not None:
                     children[p].append(v)
             tree = ReduceTree(spec.parent, 0, 0, tuple(tuple(c) for c in children))
             self.trees.append(
-                HopliteReduce(
+                tree_class(
                     cluster,
                     n_workers,
                     size / parts,
                     tree=tree,
                     engine=self.engine,
                     streams=parts,
+                    segment=j,
                     **kw,  # type: ignore[arg-type]
                 )
             )
@@ -269,8 +293,8 @@ class SplitReduce:
                 self.engine.at(t, partial(r._fail, w))
         self.engine.run()
         outs = [r.outcome for r in self.trees]
-        if any(r.remaining or not r.host for r in self.trees):
-            raise RuntimeError("the reduction did not complete")
+        for r in self.trees:
+            r.check_complete()
         return Outcome(
             max(o.seconds for o in outs),
             resumes=sum(o.resumes for o in outs),
