@@ -61,6 +61,8 @@ DEFAULT_MEASUREMENTS = [
         "scaling-16-split.json",
         "scaling-16-eve.json",
         "scaling-16-250.json",
+        "scaling-night.json",  # N = 4, 8, 16 on a quiet night
+        "scaling-night-16.json",
     )
 ]
 

@@ -11,7 +11,7 @@ Measured seconds are the median of the warm repetitions.
 Runs of one configuration (collective, op, N, size, rate) from several files
 are pooled by :func:`pool`: their median is the one figure fitted and
 compared. On the 2-core machine that emulates the cluster, one configuration
-measured on different days spread by up to 47% (a 16-host reduce: 5.3 to
+measured on different days spread by up to 55% (a 16-host reduce: 5.0 to
 7.8 s), so a fit to single runs fits the day as much as the model.
 
 Parameters are fitted (least squares on log(predicted / measured)) only where

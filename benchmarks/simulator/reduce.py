@@ -178,13 +178,19 @@ class HopliteReduce:
             assert self.repair is not None
             self.repair.closed = True
 
-    def _fail(self, worker: str, now: float) -> None:
+    def _kill(self, worker: str) -> list[Flow] | None:
+        """``worker`` dies: its streams are cut (returned). None if that
+        changes nothing (it is dead already, or the reduction is over)."""
         if worker in self.dead or not self.remaining:
-            return
+            return None
         if worker == self.root_worker:
             raise ValueError("the simulator assumes the root's worker does not fail")
         self.dead.add(worker)
-        self.net.remove_host(worker)
+        return self.net.remove_host(worker)
+
+    def _fail(self, worker: str, now: float) -> None:
+        if self._kill(worker) is None:
+            return
         assert self.repair is not None
         for v in [v for v, h in enumerate(self.host) if h == worker]:
             self.repair.node_died(v, now)

@@ -74,12 +74,10 @@ class SpreadReduce(HopliteReduce):
         self._finish_if_complete(now)
 
     def _fail(self, worker: str, now: float) -> None:
-        if worker in self.dead or not self.remaining:
+        cut = self._kill(worker)
+        if cut is None:
             return
-        if worker == self.root_worker:
-            raise ValueError("the simulator assumes the root's worker does not fail")
-        self.dead.add(worker)
-        for f in self.net.remove_host(worker):
+        for f in cut:
             if f.into.size < self.size:  # a patch, cut short
                 self.unmodelled += 1
         for v, h in enumerate(self.host):
