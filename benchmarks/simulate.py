@@ -8,7 +8,7 @@ cluster, then run where the emulation cannot go: 1,024 workers at 10 Gbit/s.
     # the 1,024-worker table (calibrated on the default measurement files first,
     # their runs pooled per configuration; here fitted at N = 8 and 16 only)
     python benchmarks/simulate.py --fit-workers 8 16 --parts 1 8 \
-        --out benchmarks/results/simulation-1024-pooled
+        --reduce-repair replace spread --out benchmarks/results/simulation-1024-pooled
 
 Scenarios for a broadcast from one worker to all others and a reduce of one
 object per worker: (a) every receiver / input ready at t=0; (b) receivers
@@ -22,6 +22,7 @@ receiver can finish before it arrived plus S/B.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import random
@@ -46,25 +47,13 @@ Run = Callable[[Mapping[str, float] | None, Mapping[str, float] | None], Outcome
 #: How a dead reduce node is repaired, by name (``--reduce-repair``).
 REPAIRS: dict[str, type[HopliteReduce]] = {"replace": HopliteReduce, "spread": SpreadReduce}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-DEFAULT_MEASUREMENTS = [
-    os.path.join(RESULTS, f)
-    for f in (
-        "broadcast.json",
-        "broadcast-run2.json",
-        "reduce.json",
-        "reduce-256MiB.json",
-        "scaling.json",  # N = 4, 8, 16 when measured: then setup is fitted too
-        # Later runs of the same configurations: pooled with the above (median).
-        "scaling-8-rerun.json",
-        "scaling-16-rerun.json",
-        "scaling-16-parts.json",
-        "scaling-16-split.json",
-        "scaling-16-eve.json",
-        "scaling-16-250.json",
-        "scaling-night.json",  # N = 4, 8, 16 on a quiet night
-        "scaling-night-16.json",
-    )
-]
+#: Result files that copy rows of others (counting them would count runs twice).
+DERIVED = {"scaling-calibration.json"}
+#: Every result file on record: the entries the simulator models are pooled per
+#: configuration (median of the runs), the rest are skipped.
+DEFAULT_MEASUREMENTS = sorted(
+    p for p in glob.glob(os.path.join(RESULTS, "*.json")) if os.path.basename(p) not in DERIVED
+)
 
 
 @dataclass

@@ -128,6 +128,8 @@ def fit(
     start = start or Overheads()
     if workers is not None:
         data = [m for m in data if m.n_workers in workers]
+        if not any(m.op == "hoplite" for m in data):
+            raise ValueError(f"no hoplite measurement at N = {sorted(workers)} to fit")
     data = [m for m in data if m.op == "hoplite"] or data
     sizes = {m.n_workers for m in data if m.op == "hoplite"}
     names = ["efficiency", "hop_latency"] + (["setup"] if len(sizes) > 1 else [])

@@ -48,6 +48,10 @@ class SpreadReduce(HopliteReduce):
         super().__init__(*args, **kw)
         self.tie = random.Random(f"{kw.get('seed', 0)}:{self.segment}")
         self.gone: set[int] = set()  # nodes spread since the start
+        #: The patches each node sends (to a dead node's parent), by sender.
+        self.patches: dict[int, list[Flow]] = {}
+        #: Each spread: (dead node, byte its parent reached, {child: adopter}).
+        self.spreads: list[tuple[int, float, dict[int, int]]] = []
         self.unmodelled = 0
 
     def check_complete(self) -> None:
@@ -57,6 +61,8 @@ class SpreadReduce(HopliteReduce):
 
     def _start(self, hosts: list[str], now: float) -> None:
         self.gone = set()
+        self.patches = {}
+        self.spreads = []
         super()._start(hosts, now)
 
     def _root_complete(self) -> bool:
@@ -77,9 +83,8 @@ class SpreadReduce(HopliteReduce):
         cut = self._kill(worker)
         if cut is None:
             return
-        for f in cut:
-            if f.into.size < self.size:  # a patch, cut short
-                self.unmodelled += 1
+        patches = {f for fs in self.patches.values() for f in fs}
+        self.unmodelled += sum(1 for f in cut if f in patches)  # a patch cut short
         for v, h in enumerate(self.host):
             if h == worker and v not in self.gone:
                 self.engine.at(
@@ -103,30 +108,40 @@ class SpreadReduce(HopliteReduce):
         """The byte from which node ``u`` can add a new operand to its stream."""
         return b if u == self.tree.root else max(b, self.recv[u].pos)
 
-    def _patch(self, src: int, dst: int, b: float, end: float, start: float) -> Buffer | None:
-        if end <= b + EPS:
-            return None
-        into = Buffer(end, pos=b)
-        self.net.add(
-            Flow(
-                self.host[src],
-                self.host[dst],
-                into,
-                sources=tuple(self.sources[src]),
-                lag=self.cluster.lag(self.size, self.streams),
-                start=start,
-                on_done=self._patch_done,
-            )
+    def _patch(
+        self, src: int, dst: int, into: Buffer, start: float, sources: tuple[Buffer, ...]
+    ) -> None:
+        """``src`` sends bytes [``into.pos``, ``into.size``) to ``dst``."""
+        flow = Flow(
+            self.host[src],
+            self.host[dst],
+            into,
+            sources=sources,
+            lag=self.cluster.lag(self.size, self.streams),
+            start=start,
+            on_done=self._patch_done,
         )
-        return into
+        self.net.add(flow)
+        self.patches.setdefault(src, []).append(flow)
 
     def _restream(self, u: int, now: float) -> None:
-        """Node ``u``'s stream to its parent with its sources changed."""
+        """Node ``u``'s streams (to its parent, and its patches) with its
+        sources changed."""
         old = self.outflow[u]
         if old is not None:
             self.net.remove(old)
-        if u != self.tree.root:
-            self._stream(u, now)
+            self.outflow[u] = None
+        parent = self.parent[u]
+        if parent is not None and self.host[parent] not in self.dead:
+            self._stream(u, now)  # else: u is adopted when its parent is spread
+        live = []
+        for f in self.patches.get(u, ()):
+            if f in self.net.flows and f.sources:
+                self.net.remove(f)
+                f = Flow(f.src, f.dst, f.into, tuple(self.sources[u]), f.lag, now, f.on_done)
+                self.net.add(f)
+            live.append(f)
+        self.patches[u] = live
 
     def _spread(self, v: int, now: float) -> None:
         if not self.remaining:
@@ -139,14 +154,14 @@ class SpreadReduce(HopliteReduce):
         self.outcome.repairs += 1
         b = self.recv[v].pos
         start = now + self.cluster.overheads.setup
-        patches: list[Buffer | None] = []
-        # The recomputed input joins its new worker's own node.
+        patches: list[Buffer] = []
+        # The recomputed input joins its new worker's own node; the bytes that
+        # node has sent without it go to p (from a complete local copy).
         worker = self._surviving_worker()
         w = next(u for u, h in enumerate(self.host) if h == worker and u not in self.gone)
-        into = Buffer(self._sent(w, b), pos=b)
-        if into.size > b + EPS:
-            self.net.add(Flow(worker, self.host[p], into, start=start, on_done=self._patch_done))
-            patches.append(into)
+        if self._sent(w, b) > b + EPS:
+            patches.append(Buffer(self._sent(w, b), pos=b))
+            self._patch(w, p, patches[-1], start, ())
         # Its children go to the least loaded nodes outside its subtree.
         inside = self._subtree(v)
         load = {
@@ -154,6 +169,8 @@ class SpreadReduce(HopliteReduce):
             for u, h in enumerate(self.host)
             if u not in inside and u not in self.gone and h not in self.dead
         }
+        adopted: dict[int, int] = {}
+        self.spreads.append((v, b, adopted))
         for c in [u for u, q in enumerate(self.parent) if q == v and u not in self.gone]:
             if self.host[c] in self.dead:
                 self.unmodelled += 1
@@ -161,11 +178,14 @@ class SpreadReduce(HopliteReduce):
             least = min(load.values())
             a = self.tie.choice(sorted(u for u, n in load.items() if n == least))
             load[a] += 1
+            adopted[c] = a
             end = self._sent(a, b)
             old = self.outflow[c]
             if old is not None:
                 self.net.remove(old)
-            patches.append(self._patch(c, p, b, end, start))
+            if end > b + EPS:
+                patches.append(Buffer(end, pos=b))
+                self._patch(c, p, patches[-1], start, tuple(self.sources[c]))
             self.recv[c] = Buffer(self.size, pos=end)
             self.parent[c] = a
             self.sources[a].append(self.recv[c])
@@ -174,6 +194,6 @@ class SpreadReduce(HopliteReduce):
         dead = self.recv[v]
         self.gone.add(v)
         self.sources[p] = [x for x in self.sources[p] if x is not dead]
-        self.sources[p] += [x for x in patches if x is not None]
+        self.sources[p] += patches
         self._restream(p, now)
         self._finish_if_complete(now)
