@@ -84,6 +84,7 @@ def calibration_table(paths: list[str], workers: list[int] | None = None) -> Ove
     if not data:
         raise SystemExit(f"no modelled entries (hoplite/dask broadcast, reduce) in {paths}")
     best, fitted = calibrate.fit(data, workers=workers)
+    used = set(calibrate.fitted(data, workers))
     print(
         f"fitted {', '.join(fitted)} on N = {', '.join(map(str, workers or ['all']))}: "
         f"efficiency {best.efficiency:.3f}, "
@@ -98,12 +99,11 @@ def calibration_table(paths: list[str], workers: list[int] | None = None) -> Ove
     print("-" * len(hdr))
     for r in calibrate.compare(data, best):
         m = r.m
-        used = m.op == "hoplite" and (workers is None or m.n_workers in workers)
         print(
             f"{m.collective:<10} {m.op:<10} {m.n_workers:>3} "
             f"{format_bytes(m.size):>10} {m.rate_mbit:>5.0f} {len(m.runs):>4} {min(m.runs):>7.3f} "
             f"{max(m.runs):>7.3f} {m.seconds:>7.3f} {r.predicted:>9.3f} {r.error:>+6.1f}%  "
-            + ("yes" if used else "no")
+            + ("yes" if m in used else "no")
         )
     return best
 

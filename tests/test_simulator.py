@@ -392,9 +392,7 @@ def _small_spread_tree():
     """Root 0 with children 1 and 4; node 1 with children 2 and 3; 4 with 5."""
     from benchmarks.simulator.spread_repair import SpreadReduce
 
-    parent = (None, 0, 1, 1, 0, 4)
-    children = tuple(tuple(v for v, p in enumerate(parent) if p == u) for u in range(6))
-    tree = ReduceTree(parent, 0, 0, children)
+    tree = ReduceTree.of((None, 0, 1, 1, 0, 4))
     cluster = Cluster(1.25e8, Overheads(efficiency=1.0, hop_latency=0.0, setup=0.001))
     return SpreadReduce(cluster, 6, 1e8, tree=tree, seed=3)
 

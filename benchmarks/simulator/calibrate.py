@@ -115,6 +115,16 @@ def predict(m: Measurement, overheads: Overheads) -> float:
     return MODELS[m.collective, m.op](cluster, m.n_workers, m.size).seconds
 
 
+def fitted(data: list[Measurement], workers: Collection[int] | None = None) -> list[Measurement]:
+    """The entries of ``data`` that :func:`fit` fits: hoplite's (Dask's only
+    if there are none), of ``workers`` hosts only if given."""
+    if workers is not None:
+        data = [m for m in data if m.n_workers in workers]
+        if not any(m.op == "hoplite" for m in data):
+            raise ValueError(f"no hoplite measurement at N = {sorted(workers)} to fit")
+    return [m for m in data if m.op == "hoplite"] or data
+
+
 def fit(
     data: list[Measurement],
     start: Overheads | None = None,
@@ -126,11 +136,7 @@ def fit(
     Dask (its receivers also fetch from receivers that finished), and fitting
     it would pull the overheads away from hoplite's."""
     start = start or Overheads()
-    if workers is not None:
-        data = [m for m in data if m.n_workers in workers]
-        if not any(m.op == "hoplite" for m in data):
-            raise ValueError(f"no hoplite measurement at N = {sorted(workers)} to fit")
-    data = [m for m in data if m.op == "hoplite"] or data
+    data = fitted(data, workers)
     sizes = {m.n_workers for m in data if m.op == "hoplite"}
     names = ["efficiency", "hop_latency"] + (["setup"] if len(sizes) > 1 else [])
     if not data:

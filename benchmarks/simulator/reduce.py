@@ -143,7 +143,7 @@ class HopliteReduce:
         self.repair = TreeRepair(self._spec(), budget=self.budget, grace=60.0)
         self.recv = [Buffer(self.size) for _ in range(self.tree.n)]
         self.parent = list(self.tree.parent)
-        self.sources = [[self.recv[c] for c in self.tree.children(v)] for v in range(self.tree.n)]
+        self.sources = [self._child_streams(v) for v in range(self.tree.n)]
         self.outflow = [None] * self.tree.n
         self.remaining = set(self.tree.children(self.tree.root))
         start = now + self.cluster.overheads.setup
@@ -152,6 +152,10 @@ class HopliteReduce:
                 self._stream(v, start)
         if not self.remaining:
             self.outcome.seconds = now
+
+    def _child_streams(self, v: int) -> list[Buffer]:
+        """The streams of node ``v``'s children in the planned tree."""
+        return [self.recv[c] for c in self.tree.children(v)]
 
     def _stream(self, v: int, start: float) -> None:
         """Node ``v`` streams the sum of its children's streams to its parent."""
@@ -219,7 +223,7 @@ class HopliteReduce:
             self.recv[c] = Buffer(self.size, pos=offset)
             if self.host[c] not in self.dead:
                 self._stream(c, start)
-        self.sources[v] = [self.recv[c] for c in self.tree.children(v)]
+        self.sources[v] = self._child_streams(v)
         parent = self.tree.parent[v]
         assert parent is not None
         if self.host[parent] not in self.dead:
@@ -267,11 +271,7 @@ class SplitReduce:
         self.engine = Engine(Network(cluster.rate))
         self.trees = []
         for j, spec in enumerate(specs):
-            children: list[list[int]] = [[] for _ in spec.parent]
-            for v, p in enumerate(spec.parent):
-                if p is not None:
-                    children[p].append(v)
-            tree = ReduceTree(spec.parent, 0, 0, tuple(tuple(c) for c in children))
+            tree = ReduceTree.of(spec.parent)
             self.trees.append(
                 tree_class(
                     cluster,

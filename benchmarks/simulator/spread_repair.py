@@ -159,8 +159,9 @@ class SpreadReduce(HopliteReduce):
         # node has sent without it go to p (from a complete local copy).
         worker = self._surviving_worker()
         w = next(u for u, h in enumerate(self.host) if h == worker and u not in self.gone)
-        if self._sent(w, b) > b + EPS:
-            patches.append(Buffer(self._sent(w, b), pos=b))
+        end = self._sent(w, b)
+        if end > b + EPS:
+            patches.append(Buffer(end, pos=b))
             self._patch(w, p, patches[-1], start, ())
         # Its children go to the least loaded nodes outside its subtree.
         inside = self._subtree(v)

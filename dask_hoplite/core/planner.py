@@ -52,6 +52,15 @@ class ReduceTree:
     chain_length: int  # the k it was planned with
     _children: tuple[tuple[int, ...], ...] = field(repr=False, compare=False, default=())
 
+    @classmethod
+    def of(cls, parent: Sequence[int | None], depth: int = 0, chain_length: int = 0) -> ReduceTree:
+        """The tree of these parent links, each node's children in node order."""
+        children: list[list[int]] = [[] for _ in parent]
+        for v, p in enumerate(parent):
+            if p is not None:
+                children[p].append(v)
+        return cls(tuple(parent), depth, chain_length, tuple(tuple(c) for c in children))
+
     @property
     def n(self) -> int:
         return len(self.parent)
@@ -143,14 +152,8 @@ def plan_reduce_tree(n: int, chain_length: int) -> ReduceTree:
             parent_of[id(cur.right)] = cur
         cur = cur.right
     assert len(nodes) == n, (len(nodes), n)
-    parent: list[int | None] = []
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i, node in enumerate(nodes):
-        p = parent_of[id(node)]
-        parent.append(None if p is None else order[id(p)])
-        if p is not None:
-            children[order[id(p)]].append(i)
-    return ReduceTree(tuple(parent), depth, k, tuple(tuple(c) for c in children))
+    parent = [None if (p := parent_of[id(node)]) is None else order[id(p)] for node in nodes]
+    return ReduceTree.of(parent, depth, k)
 
 
 def colocated_order(
