@@ -93,6 +93,8 @@ class HopliteReduce:
         self.remaining: set[int] = set()  # root's children not complete
         self.outcome = Outcome(0.0, depth=self.tree.height())
         self.repair: TreeRepair | None = None
+        #: The trees of this reduction, sharing its network (a reduce in parts).
+        self.siblings: list[HopliteReduce] = [self]
 
     def run(
         self,
@@ -284,6 +286,8 @@ class SplitReduce:
                     **kw,  # type: ignore[arg-type]
                 )
             )
+        for r in self.trees:
+            r.siblings = self.trees
         self.workers = workers
 
     def run(

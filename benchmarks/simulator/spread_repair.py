@@ -13,11 +13,16 @@ its stream up to byte ``b``:
   no second copy. Bytes ``[b, e_W)`` of the input go to ``p`` as a *patch*, a
   stream that ends before the object does.
 - Each child ``c`` of ``v`` is adopted by the live node ``A`` of the tree, outside
-  ``v``'s subtree (so no cycle), whose worker receives the fewest streams now
-  (ties: seeded random). ``A`` adds ``c``'s partial sums from the byte it has
+  ``v``'s subtree (so no cycle), whose worker receives the fewest streams over
+  every segment's tree (ties: seeded random). ``A`` adds ``c``'s partial sums from the byte it has
   sent, ``e_c = max(b, sent_A)``, and waits there for ``c``'s stream; ``c``
   sends ``[b, e_c)`` to ``p`` as a patch and ``[e_c, S)`` to ``A``.
 - ``p`` combines the patches in ``v``'s place.
+
+Who adopts whom, and which patches ``p`` reads, are decided by the library's
+own sans-IO :class:`~dask_hoplite.core.tree_spread.LiveTree`, from what the
+root of the reduction would know: the tree shapes of every segment, not the
+network's flows.
 
 The dead worker's load (its children's streams in, its own out) is spread over
 about k + 1 workers, one stream of S/k more each. What the real code would need
@@ -39,6 +44,7 @@ from typing import Any
 
 from benchmarks.simulator.network import EPS, Buffer, Flow
 from benchmarks.simulator.reduce import HopliteReduce
+from dask_hoplite.core.tree_spread import LiveTree, SpreadRefused, worker_load
 
 
 class SpreadReduce(HopliteReduce):
@@ -47,12 +53,17 @@ class SpreadReduce(HopliteReduce):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.tie = random.Random(f"{kw.get('seed', 0)}:{self.segment}")
-        self.gone: set[int] = set()  # nodes spread since the start
+        self.live = LiveTree(self.tree.parent)
         #: The patches each node sends (to a dead node's parent), by sender.
         self.patches: dict[int, list[Flow]] = {}
         #: Each spread: (dead node, byte its parent reached, {child: adopter}).
         self.spreads: list[tuple[int, float, dict[int, int]]] = []
         self.unmodelled = 0
+
+    @property
+    def gone(self) -> set[int]:
+        """Nodes spread since the start."""
+        return self.live.gone
 
     def check_complete(self) -> None:
         if self.unmodelled:
@@ -60,10 +71,11 @@ class SpreadReduce(HopliteReduce):
         super().check_complete()
 
     def _start(self, hosts: list[str], now: float) -> None:
-        self.gone = set()
         self.patches = {}
         self.spreads = []
         super()._start(hosts, now)
+        self.live = LiveTree(self.tree.parent)
+        self.parent = self.live.parent  # one list: the streams follow the spreads
 
     def _root_complete(self) -> bool:
         return all(b.complete for b in self.sources[self.tree.root])
@@ -91,22 +103,12 @@ class SpreadReduce(HopliteReduce):
                     now + self.cluster.overheads.setup + self.recompute, partial(self._spread, v)
                 )
 
-    def _subtree(self, v: int) -> set[int]:
-        children: dict[int, list[int]] = {}
-        for u, p in enumerate(self.parent):
-            if p is not None and u not in self.gone:
-                children.setdefault(p, []).append(u)
-        seen, stack = set(), [v]
-        while stack:
-            u = stack.pop()
-            if u not in seen:
-                seen.add(u)
-                stack.extend(children.get(u, ()))
-        return seen
-
     def _sent(self, u: int, b: float) -> float:
-        """The byte from which node ``u`` can add a new operand to its stream."""
-        return b if u == self.tree.root else max(b, self.recv[u].pos)
+        """The byte from which node ``u`` adds a new operand to its stream
+        (what the node itself would pick)."""
+        if u == self.tree.root or self.recv[u].pos <= b + EPS:
+            return b
+        return self.recv[u].pos
 
     def _patch(
         self, src: int, dst: int, into: Buffer, start: float, sources: tuple[Buffer, ...]
@@ -146,55 +148,46 @@ class SpreadReduce(HopliteReduce):
     def _spread(self, v: int, now: float) -> None:
         if not self.remaining:
             return
-        p = self.parent[v]
-        assert p is not None
-        if self.host[p] in self.dead:
+        b = self.recv[v].pos
+        # The recomputed input joins its new worker's own node.
+        worker = self._surviving_worker()
+        w = next(u for u, h in enumerate(self.host) if h == worker and u not in self.gone)
+        # What the root knows: the streams into each worker over every tree.
+        trees = [(t.live, t.host) for t in self.siblings if isinstance(t, SpreadReduce)]
+        into = worker_load(trees)
+        alive = {u: into[h] for u, h in enumerate(self.host) if h not in self.dead}
+        down = [u for u, h in enumerate(self.host) if h in self.dead]
+        try:
+            plan = self.live.plan_spread(v, b, w, alive, down, rng=self.tie)
+        except SpreadRefused:
             self.unmodelled += 1
             return
         self.outcome.repairs += 1
-        b = self.recv[v].pos
+        p = plan.parent
         start = now + self.cluster.overheads.setup
-        patches: list[Buffer] = []
-        # The recomputed input joins its new worker's own node; the bytes that
-        # node has sent without it go to p (from a complete local copy).
-        worker = self._surviving_worker()
-        w = next(u for u, h in enumerate(self.host) if h == worker and u not in self.gone)
-        end = self._sent(w, b)
-        if end > b + EPS:
-            patches.append(Buffer(end, pos=b))
-            self._patch(w, p, patches[-1], start, ())
-        # Its children go to the least loaded nodes outside its subtree.
-        inside = self._subtree(v)
-        load = {
-            u: self.net.flows_into(h)
-            for u, h in enumerate(self.host)
-            if u not in inside and u not in self.gone and h not in self.dead
-        }
-        adopted: dict[int, int] = {}
-        self.spreads.append((v, b, adopted))
-        for c in [u for u, q in enumerate(self.parent) if q == v and u not in self.gone]:
-            if self.host[c] in self.dead:
-                self.unmodelled += 1
-                continue
-            least = min(load.values())
-            a = self.tie.choice(sorted(u for u, n in load.items() if n == least))
-            load[a] += 1
-            adopted[c] = a
-            end = self._sent(a, b)
+        # Each adopter picks the byte from which it adds its child; the input
+        # joins w where w's stream has got to.
+        adopted_from = {c: self._sent(a, b) for c, a in plan.adopters}
+        patches = plan.patches(self._sent(w, b), adopted_from)
+        into_p: list[Buffer] = []
+        for patch in patches:
+            buf = Buffer(patch.end, pos=patch.start)
+            into_p.append(buf)
+            sources = () if patch.input else tuple(self.sources[patch.src])
+            self._patch(patch.src, p, buf, start, sources)
+        self.spreads.append((v, b, dict(plan.adopters)))
+        for c, a in plan.adopters:
             old = self.outflow[c]
             if old is not None:
                 self.net.remove(old)
-            if end > b + EPS:
-                patches.append(Buffer(end, pos=b))
-                self._patch(c, p, patches[-1], start, tuple(self.sources[c]))
-            self.recv[c] = Buffer(self.size, pos=end)
-            self.parent[c] = a
+            self.recv[c] = Buffer(self.size, pos=adopted_from[c])
+            self.parent[c] = a  # as LiveTree.apply records it
             self.sources[a].append(self.recv[c])
             self._stream(c, start)
             self._restream(a, now)
+        self.live.apply(plan)
         dead = self.recv[v]
-        self.gone.add(v)
         self.sources[p] = [x for x in self.sources[p] if x is not dead]
-        self.sources[p] += patches
+        self.sources[p] += into_p
         self._restream(p, now)
         self._finish_if_complete(now)
