@@ -305,11 +305,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-dask", dest="dask", action="store_false")
     p.add_argument("--out", default=os.path.join(RESULTS, "simulation-1024"))
     args = p.parse_args(argv)
+    missing = [m for m in args.calibrate or args.measurements if not os.path.exists(m)]
+    if missing:
+        p.error(f"no such measurement file: {', '.join(missing)}")
     if args.calibrate:
         calibration_table(args.calibrate, args.fit_workers)
         return
-    measurements = [m for m in args.measurements if os.path.exists(m)]
-    overheads = calibration_table(measurements, args.fit_workers)
+    overheads = calibration_table(args.measurements, args.fit_workers)
     if args.hop_latency is not None:
         overheads = Overheads(overheads.efficiency, args.hop_latency, overheads.setup)
     print(

@@ -423,3 +423,14 @@ def test_a_failure_the_spread_model_does_not_cover_is_an_error_not_a_result():
     sim = _small_spread_tree()
     with pytest.raises(RuntimeError, match="does not cover"):
         sim.run(failures={address(1): 0.3, address(2): 0.3})
+
+
+def test_the_simulation_refuses_a_measurement_file_that_does_not_exist(capsys, tmp_path):
+    """A mistyped --measurements path is an error, not a calibration on fewer runs."""
+    from benchmarks import simulate
+
+    missing = str(tmp_path / "scaling-typo.json")
+    for flag in ("--measurements", "--calibrate"):
+        with pytest.raises(SystemExit):
+            simulate.main([flag, missing])
+        assert f"no such measurement file: {missing}" in capsys.readouterr().err

@@ -75,6 +75,7 @@ class HopliteReduce:
         self.recompute = recompute
         self.budget = budget
         self.streams = streams  # streams sharing a NIC (segment trees)
+        self.seed = seed
         self.rng = random.Random(seed)
         # The planner is given what the network model would measure: the
         # per-host throughput and the latency of one block per hop.

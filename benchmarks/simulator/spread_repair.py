@@ -52,7 +52,7 @@ class SpreadReduce(HopliteReduce):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.tie = random.Random(f"{kw.get('seed', 0)}:{self.segment}")
+        self.tie = random.Random(f"{self.seed}:{self.segment}")
         self.live = LiveTree(self.tree.parent)
         #: The patches each node sends (to a dead node's parent), by sender.
         self.patches: dict[int, list[Flow]] = {}
