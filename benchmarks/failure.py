@@ -119,7 +119,7 @@ else:
     if method == "hoplite":
         import dask_hoplite as dh
         # None: hoplite.reduce.parts, as a user's call would have it
-        total = dh.reduce(inputs, "sum", parts=2 if scenario == "reduce-parts" else None)
+        total = dh.reduce(inputs, "sum", parts=REDUCE_PARTS if scenario == "reduce-parts" else None)
     else:
         total = c.submit(lambda *xs: sum(xs), *inputs, workers=[ws[0]], pure=False)
     wait(total, timeout=900)
@@ -134,6 +134,11 @@ if method == "hoplite":
     out["tree_restarts"] = sum(s.get("reduce-restarts", 0) for s in stats.values())
     out["adopted"] = sum(s.get("partial-copies-adopted", 0) for s in stats.values())
     out["events"] = sorted({e["action"] for _, e in c.get_events("hoplite")})
+    out["spreads"] = [
+        {k: e[k] for k in ("slot", "merged_into", "merged_from", "adopters", "patch_bytes")}
+        for _, e in c.get_events("hoplite")
+        if e["action"] == "reduce-spread"
+    ]
 print(json.dumps(out), flush=True)
 """
 
@@ -158,6 +163,11 @@ class Outcome:
     tree_restarts: int = 0  # reduce trees restarted from scratch
     adopted: int = 0  # partial copies completed by a recomputation on their worker
     events: tuple[str, ...] = ()  # the actions of client.get_events("hoplite")
+    #: Each reduce node spread: slot, node that took its input and from which
+    #: byte, {child: adopter}, patches its parent read.
+    spreads: tuple[dict, ...] = ()
+    repair: str = ""  # hoplite.reduce.repair, where set
+    parts: int = 0  # the segments of reduce-parts
 
     @property
     def x_bound(self) -> float:
@@ -184,14 +194,15 @@ def run_one(
     env: dict[str, str] | None = None,
     timeout: float = 1200,
     log_dir: str | None = None,
+    parts: int = 2,
 ) -> Outcome:
     """One scenario on a fresh Dask cluster; ``kill``: SIGKILL the victim
     ``kill_after`` seconds after the collective was requested (default: half
-    of S/B)."""
+    of S/B). ``parts``: the segments of ``reduce-parts``."""
     bound = size / ec.rate_bytes_per_s
     ec.start_dask(env=env, log_dir=log_dir)
     hosts = [ec.hosts[f"w{i}"].address for i in range(ec.n_workers)]
-    code = CLIENT.replace("HOSTS", repr(hosts))
+    code = CLIENT.replace("HOSTS", repr(hosts)).replace("REDUCE_PARTS", str(parts))
     stagger = min(0.2, 0.02 * bound)
     p = subprocess.Popen(
         [
@@ -251,6 +262,9 @@ def run_one(
         int(out.get("tree_restarts", 0)),
         int(out.get("adopted", 0)),
         tuple(out.get("events", ())),
+        tuple(out.get("spreads", ())),
+        (env or {}).get("DASK_HOPLITE__REDUCE__REPAIR", ""),
+        parts if scenario == "reduce-parts" else 0,
     )
 
 
@@ -268,12 +282,13 @@ def goal(o: Outcome) -> str:
 
 def print_table(results: list[Outcome]) -> None:
     print(
-        f"{'scenario':18} {'method':8} {'killed':6} {'time s':>8} {'x S/B':>7} "
-        f"{'recompute s':>11} {'resumes':>7} {'restarts':>8} {'repairs':>7}  goal"
+        f"{'scenario':18} {'parts':>5} {'method':8} {'repair':8} {'killed':6} {'time s':>8} "
+        f"{'x S/B':>7} {'recompute s':>11} {'resumes':>7} {'restarts':>8} {'repairs':>7}  goal"
     )
     for o in results:
         print(
-            f"{o.scenario:18} {o.method:8} {'yes' if o.killed else 'no':6} {o.time:8.2f} "
+            f"{o.scenario:18} {o.parts or '':>5} {o.method:8} {o.repair:8} "
+            f"{'yes' if o.killed else 'no':6} {o.time:8.2f} "
             f"{o.x_bound:7.2f} {o.compute:11.2f} {o.resumes:7d} {o.restarts:8d} {o.tree_repairs:7d}  "
             f"{goal(o)} {o.note}"
         )
@@ -289,6 +304,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--stall-timeout", default="10s", help="hoplite.stall-timeout")
+    ap.add_argument(
+        "--parts", type=int, nargs="+", default=[2], help="segments of reduce-parts, each in turn"
+    )
+    ap.add_argument("--reps", type=int, default=1, help="runs of each configuration")
+    ap.add_argument("--name", help="result file name (default failure-n<workers>-<size>)")
+    ap.add_argument(
+        "--repairs",
+        nargs="+",
+        default=["replace"],
+        choices=["replace", "spread"],
+        help="hoplite.reduce.repair for the reduce scenarios, each in turn",
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
     size = parse_bytes(args.size)
@@ -296,16 +323,25 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Outcome] = []
     with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit) as ec:
         for scenario in args.scenarios:
-            for method in args.methods:
-                for kill in (False, True):
-                    o = run_one(ec, scenario, method, size, kill, env=env)
-                    results.append(o)
-                    print_table([o])
+            reduce = scenario.startswith("reduce")
+            for parts in args.parts if scenario == "reduce-parts" else [2]:
+                for method in args.methods:
+                    repairs = args.repairs if reduce and method == "hoplite" else ["replace"]
+                    for kill in (False, True):
+                        for _ in range(args.reps):
+                            for repair in repairs if kill else repairs[:1]:
+                                run_env = {**env, "DASK_HOPLITE__REDUCE__REPAIR": repair}
+                                o = run_one(
+                                    ec, scenario, method, size, kill, env=run_env, parts=parts
+                                )
+                                results.append(o)
+                                print_table([o])
     print()
     print(f"N={args.workers}, {args.rate_mbit:g} Mbit/s, S={format_bytes(size)}")
     print_table(results)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"failure-n{args.workers}-{args.size}.json")
+    name = f"failure-n{args.workers}-{args.size}"
+    path = os.path.join(args.out, (args.name or name) + ".json")
     with open(path, "w") as f:
         json.dump([asdict(o) for o in results], f, indent=1)
     print(f"wrote {path}")

@@ -149,15 +149,16 @@ def _reduce(
     parts: int,
     seed: int,
     repair: str,
+    recompute: float,
     arrivals: dict[str, float] | None,
     failures: dict[str, float] | None,
 ) -> Outcome:
     tree_class = REPAIRS[repair]
     if parts == 1:
-        return tree_class(cluster, n, size, seed=seed).run(arrivals, failures)
-    return SplitReduce(cluster, n, size, parts, tree_class=tree_class, seed=seed).run(
-        arrivals, failures
-    )
+        return tree_class(cluster, n, size, seed=seed, recompute=recompute).run(arrivals, failures)
+    return SplitReduce(
+        cluster, n, size, parts, tree_class=tree_class, seed=seed, recompute=recompute
+    ).run(arrivals, failures)
 
 
 def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
@@ -200,7 +201,7 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
         else:
             root = workers[0]  # SplitReduce roots every segment's tree there
         for repair in args.reduce_repair:
-            run: Run = partial(_reduce, cluster, n, size, parts, args.seed, repair)
+            run: Run = partial(_reduce, cluster, n, size, parts, args.seed, repair, args.recompute)
             method = "hoplite" if parts == 1 else f"hoplite-parts{parts}"
             method += "" if repair == "replace" else f"-{repair}"
             runs("reduce", run, [w for w in workers if w != root], method)
@@ -298,10 +299,17 @@ def main(argv: list[str] | None = None) -> None:
         choices=sorted(REPAIRS),
         default=["replace"],
         help="how a dead reduce node is repaired: 'replace' as dask-hoplite does; 'spread', "
-        "a proposed repair not built yet (benchmarks/simulator/spread_repair.py)",
+        "hoplite.reduce.repair: spread (benchmarks/simulator/spread_repair.py)",
     )
     p.add_argument("--block-bytes", type=parse_bytes, default=Cluster.block_bytes)
     p.add_argument("--hop-latency", type=float, help="seconds; overrides the calibration")
+    p.add_argument(
+        "--recompute",
+        type=float,
+        default=0.0,
+        help="seconds Dask takes to recompute a dead worker's reduce input (default 0: "
+        "at once); the dead node's parent waits that long before any repair",
+    )
     p.add_argument("--no-dask", dest="dask", action="store_false")
     p.add_argument("--out", default=os.path.join(RESULTS, "simulation-1024"))
     args = p.parse_args(argv)

@@ -88,6 +88,8 @@ class HopliteConfig:
     broadcast_parts: int
     plan_wait: float
     reduce_parts: int
+    #: How a running reduce tree repairs a dead node: "replace" or "spread".
+    reduce_repair: str = "replace"
 
     @classmethod
     def from_dask_config(cls) -> HopliteConfig:
@@ -115,6 +117,9 @@ class HopliteConfig:
         reduce_parts = int(_get("reduce.parts"))
         if reduce_parts < 1:
             raise ValueError(f"hoplite.reduce.parts must be >= 1, got {reduce_parts}")
+        repair = str(_get("reduce.repair"))
+        if repair not in ("replace", "spread"):
+            raise ValueError(f"hoplite.reduce.repair must be 'replace' or 'spread', got {repair!r}")
         max_inputs = int(_get("array.max-inputs"))
         if max_inputs < 2:
             raise ValueError(f"hoplite.array.max-inputs must be >= 2, got {max_inputs}")
@@ -146,6 +151,7 @@ class HopliteConfig:
             broadcast_parts=parts,
             plan_wait=_seconds("broadcast.plan-wait"),
             reduce_parts=reduce_parts,
+            reduce_repair=repair,
         )
 
     def block_size_for(self, nbytes: int) -> int:

@@ -147,24 +147,30 @@ async def send_stream(
     stall_timeout: float,
     sent: list[int] | None = None,
 ) -> int:
-    """Serve ``buf`` from ``req.offset`` on ``comm`` as its progress grows.
+    """Serve ``buf`` from ``req.offset`` (to ``req.end``) on ``comm`` as its
+    progress grows.
 
     Returns the number of payload bytes sent; ``sent[0]``, if given, holds
-    them as the stream goes (what a stream that broke had sent).
+    them as the stream goes (what a stream that broke had sent). Before each
+    write, the buffer records the write's end for the reader
+    (:meth:`ObjectBuffer.serving`): bytes beyond it were handed to no socket,
+    so a reduce node may still change them (:meth:`ObjectBuffer.swap_bytes`).
     """
     sent = [0] if sent is None else sent
     assert buf.layout is not None
     layout = buf.layout
-    total = layout.nbytes
+    total = req.stop(layout.nbytes)
     stream = raw_stream(comm) if req.raw else None
     await comm.write({"status": "OK", "raw": stream is not None, **layout.to_msg()})
     peer = comm.peer_address
+    reader = req.who or peer
     pos = req.offset
     if stream is not None:
         while pos < total:
             if buf.progress <= pos:
                 await wait_progress(buf, pos, stall_timeout)
-            end = min(buf.progress, layout.frame_end(pos), pos + RAW_WRITE_BYTES)
+            end = min(buf.progress, layout.frame_end(pos), pos + RAW_WRITE_BYTES, total)
+            buf.serving(reader, end)
             await _bounded(stream.write(buf.view(pos, end)), stall_timeout, "write", peer)
             pos = end
             sent[0] = pos - req.offset
@@ -176,7 +182,8 @@ async def send_stream(
             window.on_ack(parse_ack(await _bounded(comm.read(), stall_timeout, "ack", peer)))
         if buf.progress <= pos:
             await wait_progress(buf, pos, stall_timeout)
-        end = min(buf.progress, layout.block_end(pos, req.block_bytes))
+        end = min(buf.progress, layout.block_end(pos, req.block_bytes), total)
+        buf.serving(reader, end)
         await comm.write({"offset": pos, "data": to_serialize(buf.view(pos, end))})
         window.on_sent(end)
         pos = end
@@ -225,7 +232,7 @@ async def receive_stream(
     peer = comm.peer_address
     layout, stream = await open_stream(comm, req, stall_timeout=stall_timeout)
     buf.allocate(layout)
-    total = buf.nbytes
+    total = req.stop(buf.nbytes)
     pos = req.offset
     if stream is not None:
         while pos < total:

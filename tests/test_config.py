@@ -34,6 +34,7 @@ def test_defaults_are_loaded_and_documented():
         "max-inputs",
         "resume-attempts",
         "allreduce-segment-min-bytes",
+        "repair",
     ]:
         # every key has a comment right above it
         lines = text.splitlines()
@@ -62,6 +63,7 @@ def test_environment_override(monkeypatch):
         ({"hoplite.min-blocks": 0}, "min-blocks"),
         ({"hoplite.array.max-inputs": 1}, "max-inputs"),
         ({"hoplite.reduce.latency": "0s"}, "reduce.latency"),
+        ({"hoplite.reduce.repair": "rebuild"}, "'replace' or 'spread', got 'rebuild'"),
     ],
 )
 def test_bad_settings_are_named(setting, match):

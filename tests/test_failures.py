@@ -54,20 +54,37 @@ def test_a_lost_source_is_recomputed_and_partial_copies_resume(ec):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "scenario, trees",
+    "scenario, trees, repair",
     [
-        ("reduce", 1),
+        ("reduce", 1, "replace"),
         # parts=2 on 4 hosts: the dead worker is an inner node of one
         # segment's tree and a leaf of the other; each tree replaces it.
-        ("reduce-parts", 2),
+        ("reduce-parts", 2, "replace"),
     ],
 )
-def test_a_reduction_survives_a_dead_participant(ec, scenario, trees):
-    o = run_one(ec, scenario, "hoplite", SIZE, kill=True, env=ENV)
+def test_a_reduction_survives_a_dead_participant(ec, scenario, trees, repair):
+    env = {**ENV, "DASK_HOPLITE__REDUCE__REPAIR": repair}
+    o = run_one(ec, scenario, "hoplite", SIZE, kill=True, env=env)
     assert o.ok, o
     # the dead node was replaced inside each running tree; none restarted
     assert o.tree_repairs == trees and o.tree_restarts == 0, o
     assert {"reduce-children-replaced", "reduce-repaired"} <= set(o.events), o
+    assert "reduce-spread" not in o.events, o
+
+
+@pytest.mark.timeout(300)
+def test_a_reduction_in_parts_spreads_a_dead_participant_over_the_live_nodes(ec):
+    """With hoplite.reduce.repair = spread, a dead node is spread: in each
+    segment's tree its input joins the stream of the worker that recomputed
+    it, its children (in the tree where it has some) go to other inner nodes,
+    and its parent reads the blocks in between as patches. The result is
+    exact (checked by run_one) and no tree restarts."""
+    env = {**ENV, "DASK_HOPLITE__REDUCE__REPAIR": "spread"}
+    o = run_one(ec, "reduce-parts", "hoplite", SIZE, kill=True, env=env)
+    assert o.ok, o
+    assert o.tree_repairs == 2 and o.tree_restarts == 0, o
+    assert {"reduce-spread", "reduce-children-spread", "reduce-repaired"} <= set(o.events), o
+    assert "reduce-children-replaced" not in o.events, o
 
 
 @pytest.mark.timeout(300)

@@ -34,11 +34,24 @@ def test_roundtrip():
         ({"offset": True}, "offset must be an int >= 0"),
         ({"block_bytes": 0}, "block_bytes must be a positive int"),
         ({"transfer_id": "x"}, "transfer_id"),
+        ({"offset": 8, "end": 4}, "end must be None or an int >= offset 8"),
+        ({"end": "9"}, "end must be None or an int"),
+        ({"end": True}, "end must be None or an int"),
     ],
 )
 def test_bad_requests_name_the_fault(change, match):
     with pytest.raises(ProtocolError, match=match):
         StreamRequest.parse(good(**change))
+
+
+def test_a_patch_request_names_where_it_stops():
+    """A reduce node reads a dead child's place in patches: a stream that
+    stops at ``end`` instead of the object's size."""
+    req = StreamRequest.parse(good(offset=4096, end=12288))
+    assert req.end == 12288 and req.stop(2**20) == 12288
+    assert req.stop(8192) == 8192  # never past the object
+    whole = StreamRequest.parse(good())
+    assert whole.end is None and whole.stop(2**20) == 2**20
 
 
 def test_request_without_key():

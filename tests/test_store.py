@@ -345,3 +345,29 @@ def test_the_prefaulter_populates_fresh_regions_in_the_background():
     x[:] = 7  # the memory is the array's, whole and writable
     assert int(x[-1]) == 7
     p.close()
+
+
+def test_a_served_buffer_swaps_its_bytes_for_readers_that_come_later():
+    """A reduce node that takes a dead node's input into the stream it serves
+    (a spread) swaps in new bytes from a byte no live reader has taken: what
+    was handed to the dead node's socket does not count."""
+    a = np.arange(1024, dtype=np.uint8)
+    buf = ObjectBuffer.from_frames("k", {}, [a])
+    buf.serving("tcp://parent:1", 256)
+    buf.serving("tcp://dead:1", 768)
+    buf.serving("tcp://parent:1", 128)  # never lowers
+    assert buf.served_to() == 768
+    assert buf.served_to(ignore="tcp://dead:1") == 256
+    new = np.full(1024, 7, dtype=np.uint8)
+    new[:256] = a[:256]
+    old_view = buf.view(0, 256)  # a reader mid-write keeps the old bytes
+    buf.swap_bytes(new)
+    assert bytes(buf.view(0, 256)) == bytes(old_view) == bytes(a[:256])
+    assert bytes(buf.view(256, 1024)) == bytes([7]) * 768
+    assert a[300] == 300 % 256  # the node's input itself is not written to
+    with pytest.raises(ValueError, match="has 1024 bytes"):
+        buf.swap_bytes(np.zeros(10, dtype=np.uint8))
+    filling = ObjectBuffer("f")
+    filling.allocate(buf.layout)
+    with pytest.raises(RuntimeError, match="not complete"):
+        filling.swap_bytes(new)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,3 +117,60 @@ def test_spreads_keep_every_live_node_on_a_path_to_the_root(n, chain, seed, fail
                 parent = tree.parent[u]
                 assert parent is not None
                 u = parent
+
+
+def _job(nbytes: int = 64, block: int = 16):
+    """A node's combining job over float64 blocks, as the worker builds it
+    (no comm is touched by what these tests call)."""
+    from dask_hoplite.core.reduce_ops import resolve_op
+    from dask_hoplite.core.reduce_spec import ReduceSpec
+    from dask_hoplite.core.store import Layout, ObjectBuffer
+    from dask_hoplite.worker.combine import NodeJob
+
+    n = nbytes // 8
+    spec = ReduceSpec(
+        rid="r",
+        op="sum",
+        inputs=("a", "b", "c"),
+        addresses=("tcp://w0:1", "tcp://w1:1", "tcp://w2:1"),
+        parent=(None, 0, 0),
+        shape=(n,),
+        dtype="<f8",
+        block_bytes=block,
+    )
+    acc = ObjectBuffer(spec.partial_key(0))
+    acc.allocate(Layout({}, (nbytes,)))
+    own = np.arange(n, dtype="f8")
+
+    async def never(*_):
+        raise AssertionError("no child breaks here")
+
+    op = resolve_op("sum")
+    return NodeJob(None, spec, [1, 2], op, np.dtype("f8"), own, acc, block, never)  # type: ignore[arg-type]
+
+
+def test_a_combining_node_takes_a_new_operand_only_from_a_block_it_has_not_begun():
+    job = _job()
+    job.begun = 32  # blocks [0, 16) and [16, 32) have their inputs fixed
+    assert job.first_open_byte(0) == 32 and job.first_open_byte(48) == 48
+    d = np.full(8, 100.0)
+    assert job.add_operand(16, d) == 32
+    ones = [np.ones(2), np.ones(2)]
+    for a in range(0, 64, 16):
+        job.combine_block(a, a + 16, [x.copy() for x in ones])
+    got = np.frombuffer(job.acc.view(0, 64), dtype="f8")
+    want = np.arange(8) + 2 + np.where(np.arange(8) >= 4, 100, 0)
+    assert got.tolist() == want.tolist()
+
+
+def test_a_combining_node_adopts_a_child_from_a_byte_it_picks_and_refuses_when_done():
+    job = _job()
+    job.begun = 16
+    assert job.add_child(0, ("k",), "tcp://w9:1", 5) == 16
+    [child] = job.added
+    assert (child.start, child.end, child.slot, child.address) == (16, 64, 5, "tcp://w9:1")
+    assert job.add_child(64, ("k",), "tcp://w9:1", 6) == 64  # nothing left to add
+    assert len(job.added) == 1
+    job.finished = True
+    assert job.add_child(0, ("k",), "tcp://w9:1", 7) is None
+    assert job.add_operand(0, np.zeros(8)) is None

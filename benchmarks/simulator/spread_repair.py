@@ -1,5 +1,5 @@
-"""A repair of reduce trees that dask-hoplite does not have yet, modelled to see
-whether it is worth building: a dead node is not replaced, it is *spread*.
+"""The repair ``hoplite.reduce.repair: spread``, modelled: a dead node is not
+replaced, it is *spread*.
 
 :class:`~benchmarks.simulator.reduce.HopliteReduce` models the repair the real
 code does (``worker/reduce_root.py``): a new node on the worker W where the
@@ -12,9 +12,10 @@ its stream up to byte ``b``:
   the byte that stream has reached, ``e_W = max(b, sent_W)``: W's uplink carries
   no second copy. Bytes ``[b, e_W)`` of the input go to ``p`` as a *patch*, a
   stream that ends before the object does.
-- Each child ``c`` of ``v`` is adopted by the live node ``A`` of the tree, outside
-  ``v``'s subtree (so no cycle), whose worker receives the fewest streams over
-  every segment's tree (ties: seeded random). ``A`` adds ``c``'s partial sums from the byte it has
+- Each child ``c`` of ``v`` is adopted by the live inner node ``A`` of the tree
+  (only inner nodes combine streams), outside ``v``'s subtree (so no cycle),
+  whose worker receives the fewest streams over every segment's tree (ties:
+  seeded random). ``A`` adds ``c``'s partial sums from the byte it has
   sent, ``e_c = max(b, sent_A)``, and waits there for ``c``'s stream; ``c``
   sends ``[b, e_c)`` to ``p`` as a patch and ``[e_c, S)`` to ``A``.
 - ``p`` combines the patches in ``v``'s place.
@@ -25,10 +26,9 @@ root of the reduction would know: the tree shapes of every segment, not the
 network's flows.
 
 The dead worker's load (its children's streams in, its own out) is spread over
-about k + 1 workers, one stream of S/k more each. What the real code would need
-for this: a node that gains an input or a child mid-stream at a byte it picks,
-a stream with an end, and a root that knows every host's streams across the
-segment trees.
+about k + 1 workers, one stream of S/k more each. The workers do it as
+``worker/tree_spreader.py``, ``worker/reduce_node.py`` and ``worker/combine.py``
+describe.
 
 Not modelled: a worker dying while it sends or receives a patch (a patch lasts
 a few blocks), or a node and its parent dying before the first is spread. Such
@@ -155,10 +155,15 @@ class SpreadReduce(HopliteReduce):
         # What the root knows: the streams into each worker over every tree.
         trees = [(t.live, t.host) for t in self.siblings if isinstance(t, SpreadReduce)]
         into = worker_load(trees)
-        alive = {u: into[h] for u, h in enumerate(self.host) if h not in self.dead}
+        # Only inner nodes combine streams, so only they adopt (as built).
+        inner = {
+            u: into[h]
+            for u, h in enumerate(self.host)
+            if h not in self.dead and self.live.children(u)
+        }
         down = [u for u, h in enumerate(self.host) if h in self.dead]
         try:
-            plan = self.live.plan_spread(v, b, w, alive, down, rng=self.tie)
+            plan = self.live.plan_spread(v, b, w, inner, down, rng=self.tie)
         except SpreadRefused:
             self.unmodelled += 1
             return

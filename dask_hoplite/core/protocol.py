@@ -4,7 +4,7 @@ flow-control window. Pure: the coroutines that move these messages over
 
 A stream, on one comm, after the receiver's request::
 
-    receiver -> sender   {"op": "hoplite_stream", "key", "offset", "protocol",
+    receiver -> sender   {"op": "hoplite_stream", "key", "offset", "end", "protocol",
                           "transfer_id", "block_bytes", "raw", "who", "reply": False}
     sender   -> receiver {"status": "OK", "header", "lengths", "raw"}  (the Layout)
                        | {"status": "error", "message"}                (then nothing)
@@ -17,12 +17,15 @@ then, in *message mode* (any comm backend)::
 where the sender keeps at most ``window_bytes`` sent but unacknowledged and the
 stream ends when the receiver acknowledged every byte; or, in *raw mode*, when
 both ends run over a TCP or TLS comm (both asked for it): the bytes
-[offset, size) follow as they are, read by the receiver straight into its
+[offset, end) follow as they are, read by the receiver straight into its
 buffer. Raw mode needs no acknowledgements (TCP's own flow control applies:
 the sender awaits each write into the socket) and costs no copy in user
 space, which is what keeps a chain of relays network-bound on small hosts.
 After the last byte the comm is back at a message boundary and is reused.
-Resuming is a new request with the offset the receiver reached.
+Resuming is a new request with the offset the receiver reached. ``end`` is
+None (the object's size) except for a *patch*, the few blocks of a reduce
+node's stream that a dead node's parent reads in its place
+(:mod:`dask_hoplite.core.tree_spread`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from dask_hoplite.errors import ProtocolError
 
 #: Bumped on any incompatible change of the messages above or of the
 #: worker <-> scheduler directory messages. Peers with another value refuse.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: streams with an end (patches)
 
 STREAM_OP = "hoplite_stream"
 
@@ -51,6 +54,8 @@ class StreamRequest:
     #: The receiving worker's address, for the sender's transfer log (None:
     #: the receiver is not a worker, or did not say).
     who: str | None = None
+    #: The byte the stream stops at (None: the end of the object).
+    end: int | None = None
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> StreamRequest:
@@ -75,13 +80,21 @@ class StreamRequest:
         who = msg.get("who")
         if who is not None and not isinstance(who, str):
             raise ProtocolError(f"who must be an address or None, got {who!r}")
-        return cls(msg["key"], offset, block, tid, bool(msg.get("raw", False)), who)
+        end = msg.get("end")
+        if end is not None and (not isinstance(end, int) or isinstance(end, bool) or end < offset):
+            raise ProtocolError(f"end must be None or an int >= offset {offset}, got {end!r}")
+        return cls(msg["key"], offset, block, tid, bool(msg.get("raw", False)), who, end)
+
+    def stop(self, nbytes: int) -> int:
+        """Where the stream of an object of ``nbytes`` stops."""
+        return nbytes if self.end is None else min(self.end, nbytes)
 
     def to_msg(self) -> dict[str, Any]:
         return {
             "op": STREAM_OP,
             "key": self.key,
             "offset": self.offset,
+            "end": self.end,
             "block_bytes": self.block_bytes,
             "transfer_id": self.transfer_id,
             "protocol": PROTOCOL_VERSION,

@@ -24,6 +24,8 @@ from dask_hoplite.errors import ReduceInputError
 
 #: First element of a partial result's key: ``(PARTIAL, rid, slot)``.
 PARTIAL = "hoplite-reduce"
+#: Third element of the key of a dead node's input served for a patch.
+INPUT_PATCH = "input-"
 
 #: Between a reduction's id and a segment's number in a segment tree's id.
 SEGMENT_TAG = "-s"
@@ -125,6 +127,11 @@ class ReduceSpec:
     def partial_key(self, slot: int) -> tuple[str, str, int]:
         return (PARTIAL, self.rid, slot)
 
+    def input_patch_key(self, slot: int) -> tuple[str, str, str]:
+        """Key under which the worker that recomputed dead node ``slot``'s
+        input serves a patch of it (:mod:`dask_hoplite.core.tree_spread`)."""
+        return (PARTIAL, self.rid, f"{INPUT_PATCH}{slot}")
+
     def copy_key(self, j: int) -> tuple[str, str, int]:
         """Key of allreduce copy ``j`` (negative slots: never a tree node)."""
         return (PARTIAL, self.rid, -1 - j)
@@ -155,6 +162,10 @@ def join_segments(
 
 def is_partial_key(key: object) -> bool:
     return isinstance(key, tuple) and len(key) == 3 and key[0] == PARTIAL
+
+
+def is_input_patch_key(key: object) -> bool:
+    return is_partial_key(key) and str(key[2]).startswith(INPUT_PATCH)  # type: ignore[index]
 
 
 def select_field(value: Any, field: str | None, key: Key) -> Any:

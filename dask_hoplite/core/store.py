@@ -152,6 +152,10 @@ class ObjectBuffer:
         self._frames: list[memoryview] = []
         self._array: np.ndarray | None = None
         self._waiters: list[tuple[int, Waiter]] = []
+        #: Per reader's address, the byte before which a sender may have
+        #: handed this buffer's bytes to its socket
+        #: (:func:`dask_hoplite.streams.send_stream` raises it).
+        self.served: dict[str, int] = {}
 
     # -------------------------------------------------------------- creation
 
@@ -249,6 +253,30 @@ class ObjectBuffer:
         self._array = None
         self.progress = self.layout.nbytes
         self._complete()
+
+    def serving(self, reader: str, end: int) -> None:
+        """A sender is about to hand bytes up to ``end`` to ``reader``."""
+        if end > self.served.get(reader, 0):
+            self.served[reader] = end
+
+    def served_to(self, ignore: str | None = None) -> int:
+        """The end of the bytes handed to any reader but ``ignore`` (a dead
+        one, whose bytes reach nobody)."""
+        return max((n for r, n in self.served.items() if r != ignore), default=0)
+
+    def swap_bytes(self, array: np.ndarray) -> None:
+        """Serve the bytes of ``array`` (a byte array of this buffer's size)
+        from now on, a complete buffer's readers carrying on from the byte
+        they reached. For a reduce node whose stream changes from a byte no
+        live reader has taken yet (:meth:`served_to`); the caller copies the
+        bytes before it into ``array``."""
+        if self.state is not BufferState.COMPLETE or self.layout is None:
+            raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not complete")
+        if array.dtype != np.uint8 or array.size != self.layout.nbytes:
+            raise ValueError(f"{self.key!r} has {self.layout.nbytes} bytes, not {array.nbytes}")
+        mv = memoryview(array)  # type: ignore[arg-type]
+        self._frames = [mv[a:b] for a, b in self.layout.frame_bounds()]
+        self._array = array
 
     def advance(self, end: int) -> int:
         """Bytes up to ``end`` were written in place; wake readers."""

@@ -80,6 +80,11 @@ class TreeRepair:
         """Node ``slot`` could not be replaced (the tree breaks)."""
         self.repairing.discard(slot)
 
+    def spread(self, slot: int) -> None:
+        """Node ``slot`` was spread (:mod:`dask_hoplite.core.tree_spread`):
+        nothing runs in its place."""
+        self.repairing.discard(slot)
+
     def replaced(self, slot: int, address: str) -> ReduceSpec:
         """Node ``slot`` now runs on ``address``; returns the tree's spec."""
         addresses = list(self.spec.addresses)

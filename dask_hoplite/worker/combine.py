@@ -17,12 +17,14 @@ while it fills.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+from dask.typing import Key
 from distributed.metrics import context_meter
 from distributed.metrics import time as dask_time
 from tornado.iostream import IOStream
@@ -47,15 +49,42 @@ from dask_hoplite.worker.context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
-#: ``(slot, offset, dead address, error) -> new address`` of a replaced child;
-#: raises ``error`` when the child cannot be replaced.
-ReplaceChild = Callable[[int, int, str, Exception], Awaitable[str]]
+
+@dataclass(frozen=True)
+class PatchSource:
+    """Bytes ``[start, end)`` of ``key`` on ``address``, combined in a dead
+    child's place (:mod:`dask_hoplite.core.tree_spread`)."""
+
+    key: Key
+    address: str
+    start: int
+    end: int
+
+
+#: ``(slot, offset, dead address, error) -> repair`` of a child whose stream
+#: broke: its replacement's address, or the patches to read in its place
+#: (from ``offset``); raises ``error`` when the child cannot be repaired.
+RepairChild = Callable[[int, int, str, Exception], Awaitable["str | list[PatchSource]"]]
+
+
+@dataclass(eq=False)
+class StreamInput:
+    """A stream one node combines, bytes ``[start, end)``: a child's partial
+    result (``slot``; ``end`` the object's size), or a patch (``slot`` None)."""
+
+    key: Key
+    address: str
+    start: int
+    end: int
+    slot: int | None = None
 
 
 @dataclass
 class NodeJob:
     """What one inner node combines: its input (in the result dtype), its
-    children, and the buffer it fills in blocks of ``block`` bytes."""
+    children, and the buffer it fills in blocks of ``block`` bytes. A spread
+    (:meth:`add_operand`, :meth:`add_child`) adds an operand or a child from a
+    block the node has not begun."""
 
     ctx: WorkerContext
     spec: ReduceSpec
@@ -65,19 +94,59 @@ class NodeJob:
     own: np.ndarray
     acc: ObjectBuffer
     block: int
-    replace_child: ReplaceChild
+    repair_child: RepairChild
     #: The first byte to produce (a replacement node: its parent has the rest).
     offset: int = 0
+    #: Operands added mid-stream: (first byte, flat array of the result dtype).
+    extras: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    #: Children added mid-stream, for the combining loop to open.
+    added: list[StreamInput] = field(default_factory=list)
+    #: The end of the last block whose inputs are fixed; a new operand or
+    #: child starts here or later.
+    begun: int = 0
+    #: Whether the combining loop has finished (nothing can be added).
+    finished: bool = False
+
+    def first_open_byte(self, at_least: int) -> int | None:
+        """The byte from which a new operand or child can join this node's
+        stream, at or after ``at_least`` (None: the node has finished)."""
+        if self.finished:
+            return None
+        return max(at_least, self.begun, self.offset)
+
+    def add_operand(self, at_least: int, operand: np.ndarray) -> int | None:
+        """Add ``operand`` into this node's stream from a block not begun yet,
+        at or after byte ``at_least``; that byte (None: too late)."""
+        start = self.first_open_byte(at_least)
+        if start is not None:
+            self.extras.append((start, operand))
+        return start
+
+    def add_child(self, at_least: int, key: Key, address: str, slot: int) -> int | None:
+        """Combine child ``slot``'s stream (``key`` on ``address``) from a
+        block not begun yet, at or after byte ``at_least``; that byte."""
+        start = self.first_open_byte(at_least)
+        if start is not None and start < self.acc.nbytes:
+            self.added.append(StreamInput(key, address, start, self.acc.nbytes, slot))
+        return start
 
     def combine_block(self, a: int, b: int, parts: list[np.ndarray]) -> None:
-        """Bytes [a, b) of the node's result: own (+) every child's block,
-        written in place (own (+) the first child straight into the output:
-        one pass, no copy), then made visible to the parent."""
+        """Bytes [a, b) of the node's result: own (+) every child's block
+        (+) the operands added by now, written in place (own (+) the first
+        child straight into the output: one pass, no copy), then made visible
+        to the parent."""
         itemsize = max(1, self.rdt.itemsize)
+        i, j = a // itemsize, b // itemsize
         out = np.frombuffer(self.acc.writable_view(a, b), dtype=self.rdt)
-        self.op.ufunc(self.own[a // itemsize : b // itemsize], parts[0], out=out)
+        if parts:
+            self.op.ufunc(self.own[i:j], parts[0], out=out)
+        else:
+            out[...] = self.own[i:j]
         for other in parts[1:]:
             self.op.combine(out, other)
+        for start, operand in self.extras:
+            if start <= a:
+                self.op.combine(out, operand[i:j])
         self.acc.advance(b)
 
 
@@ -86,79 +155,120 @@ def raw_capable(spec: ReduceSpec, children: list[int]) -> bool:
     return all(spec.addresses[c].startswith(("tcp://", "tls://")) for c in children)
 
 
-class _RawChildren:
-    """The raw-mode streams of a node's children, each replaced when it breaks."""
+class _RawInputs:
+    """The raw-mode streams a node combines: its children, each repaired when
+    it breaks (replaced, or read in patches in its place), and what a spread
+    adds."""
 
     def __init__(self, job: NodeJob) -> None:
         self.job = job
-        self.addresses = {c: job.spec.addresses[c] for c in job.children}
-        self.opened: dict[int, tuple[PooledComm, IOStream]] = {}
+        total = job.acc.nbytes
+        self.inputs = [
+            StreamInput(job.spec.partial_key(c), job.spec.addresses[c], job.offset, total, c)
+            for c in job.children
+        ]
+        self.opened: dict[StreamInput, tuple[PooledComm, IOStream]] = {}
+        self.scratch: dict[StreamInput, memoryview] = {}
 
-    async def _open(self, c: int, offset: int) -> None:
+    async def _open(self, inp: StreamInput, offset: int) -> None:
         job = self.job
         stall = job.ctx.config.stall_timeout
-        pc = await open_pooled(job.ctx.worker.rpc, self.addresses[c], stall)
+        pc = await open_pooled(job.ctx.worker.rpc, inp.address, stall)
         try:
+            end = None if inp.end >= job.acc.nbytes else inp.end
             req = StreamRequest(
-                job.spec.partial_key(c), offset, job.block, None, raw=True, who=job.ctx.address
+                inp.key, offset, job.block, None, raw=True, who=job.ctx.address, end=end
             )
             layout, stream = await open_stream(pc.comm, req, stall_timeout=stall)
             if stream is None or layout.nbytes != job.acc.nbytes:
                 raise LayoutMismatch(
-                    f"child {job.spec.inputs[c]!r} answered with {layout.nbytes} bytes in "
+                    f"{inp.key!r} on {inp.address} answered with {layout.nbytes} bytes in "
                     f"{'raw' if stream else 'message'} mode; expected {job.acc.nbytes} in raw mode"
                 )
         except BaseException:
             pc.release(False)
             raise
-        self.opened[c] = (pc, stream)
+        self.opened[inp] = (pc, stream)
 
-    async def _replace(self, c: int, offset: int, error: Exception) -> None:
-        if isinstance(error, (ReduceInputError, LayoutMismatch)):
-            raise error
-        if c in self.opened:
-            pc, _ = self.opened.pop(c)
+    async def _repair(self, inp: StreamInput, offset: int, error: Exception) -> list[StreamInput]:
+        """``inp`` broke at ``offset``: the inputs to read in its place from
+        there (itself from a replacement, or patches)."""
+        if isinstance(error, (ReduceInputError, LayoutMismatch)) or inp.slot is None:
+            raise error  # a patch is not repaired: the tree restarts
+        if inp in self.opened:
+            pc, _ = self.opened.pop(inp)
             pc.release(False)
-        self.addresses[c] = await self.job.replace_child(c, offset, self.addresses[c], error)
+        repair = await self.job.repair_child(inp.slot, offset, inp.address, error)
+        if isinstance(repair, str):
+            inp.address = repair
+            return [inp]
+        inp.end = offset  # read no more: the patches (and adopters) carry it on
+        patches = [StreamInput(p.key, p.address, p.start, p.end) for p in repair]
+        self.inputs.extend(patches)
+        return [p for p in patches if p.start <= offset < p.end]
 
-    async def stream_of(self, c: int, offset: int) -> tuple[PooledComm, IOStream]:
-        """Child ``c``'s open stream, from a replacement if it broke."""
-        while c not in self.opened:
+    async def open_all(self, offset: int) -> None:
+        """Open every input's stream from ``offset`` before the first block:
+        each sender starts at once, and a child with nothing to send (an empty
+        object) learns at once that its parent has all of it."""
+        todo = collections.deque(self.inputs)
+        while todo:
+            inp = todo.popleft()
             try:
-                await self._open(c, offset)
+                await self._stream_of(inp, offset)
             except Exception as e:
-                await self._replace(c, offset, e)
-        return self.opened[c]
+                todo.extend(await self._repair(inp, offset, e))
 
-    async def read(self, c: int, into: memoryview, offset: int) -> None:
-        stall = self.job.ctx.config.stall_timeout
-        while True:
-            pc, stream = await self.stream_of(c, offset)
+    async def _stream_of(self, inp: StreamInput, offset: int) -> tuple[PooledComm, IOStream]:
+        if inp not in self.opened:
+            await self._open(inp, offset)
+        return self.opened[inp]
+
+    async def read_block(self, a: int, b: int) -> list[np.ndarray]:
+        """Block [a, b) of every input that covers it, repairing the inputs
+        that break meanwhile."""
+        job = self.job
+        stall = job.ctx.config.stall_timeout
+        self.inputs += job.added
+        job.added.clear()
+        todo = collections.deque(i for i in self.inputs if i.start <= a < i.end)
+        parts = []
+        while todo:
+            inp = todo.popleft()
+            into = self.scratch.setdefault(inp, memoryview(bytearray(job.block)))[: b - a]
             try:
+                pc, stream = await self._stream_of(inp, a)
                 with context_meter.meter("network", func=dask_time):
                     await read_raw(stream, into, stall, pc.comm.peer_address)
-                return
             except Exception as e:
-                await self._replace(c, offset, e)
+                todo.extend(await self._repair(inp, a, e))
+                continue
+            parts.append(np.frombuffer(into, dtype=job.rdt))
+            if b >= inp.end and b < job.acc.nbytes:  # a patch read to its end
+                pc, _ = self.opened.pop(inp)
+                pc.release(True)
+                self.scratch.pop(inp, None)
+        return parts
 
     def release_all(self, reusable: bool) -> None:
         for pc, _ in self.opened.values():
             pc.release(reusable)
+        self.opened.clear()
 
-    def record(self, start: float, nbytes: int) -> None:
-        """Each child's stream, whole, in Dask's transfer records."""
+    def record(self, start: float) -> None:
+        """Each input's stream, whole, in Dask's transfer records."""
         job = self.job
-        for c in job.children:
-            key = job.spec.partial_key(c)
-            accounting.received(job.ctx.worker, key, self.addresses[c], start, dask_time(), nbytes)
+        for inp in self.inputs:
+            nbytes = max(0, min(inp.end, job.acc.nbytes) - inp.start)
+            accounting.received(job.ctx.worker, inp.key, inp.address, start, dask_time(), nbytes)
             job.ctx.count("bytes-received", nbytes)
 
 
 async def combine_raw(job: NodeJob) -> None:
     """Combine in raw mode; a child whose stream breaks (its worker died) is
-    replaced and this node resumes its stream there from the block reached,
-    while its other children stream on."""
-    children = _RawChildren(job)
+    repaired and this node reads on from the block reached, while its other
+    children stream on."""
+    inputs = _RawInputs(job)
     total = job.acc.nbytes
     start = dask_time()
     streams = contextlib.ExitStack()
@@ -167,23 +277,21 @@ async def combine_raw(job: NodeJob) -> None:
         streams.enter_context(job.ctx.receiving(key, job.spec.addresses[c], job.acc, "reduce"))
     try:
         job.acc.start_at(job.offset)
-        for c in job.children:
-            await children.stream_of(c, job.offset)
-        scratch = [memoryview(bytearray(job.block)) for _ in job.children]
+        job.begun = job.offset
+        await inputs.open_all(job.offset)
         for a in range(job.offset, total, job.block):
             b = min(total, a + job.block)
-            parts = []
-            for c, sc in zip(job.children, scratch, strict=True):
-                await children.read(c, sc[: b - a], a)
-                parts.append(np.frombuffer(sc[: b - a], dtype=job.rdt))
+            job.begun = b
+            parts = await inputs.read_block(a, b)
             job.combine_block(a, b, parts)
     except BaseException:
-        children.release_all(False)
+        inputs.release_all(False)
         raise
     finally:
+        job.finished = True
         streams.close()
-    children.release_all(True)
-    children.record(start, total - job.offset)
+    inputs.release_all(True)
+    inputs.record(start)
 
 
 async def combine_buffered(job: NodeJob) -> None:

@@ -19,7 +19,7 @@ Counters, since the plugin started on the worker:
     fetches restarted from byte 0 (the object had changed) and reduce trees
     restarted with their inputs located again
 ``tree_repairs_total``
-    reduce-tree nodes replaced while the tree ran
+    reduce-tree nodes replaced or spread while the tree ran
 ``fallbacks_total{path}``
     work handed to Dask's own path: ``fetch`` (a key hoplite could not
     fetch), ``allreduce``, ``graph-reduction`` (an array/bag aggregate)
@@ -62,8 +62,8 @@ _COUNTERS: dict[str, tuple[str, list[str]]] = {
         ["restarts", "reduce-restarts"],
     ),
     "tree_repairs": (
-        "Reduce-tree nodes replaced while the tree ran",
-        ["reduce-repairs", "reduce-children-replaced"],
+        "Reduce-tree nodes replaced or spread while the tree ran",
+        ["reduce-repairs", "reduce-children-replaced", "reduce-children-spread"],
     ),
     "requests_refused": ("Stream requests this worker refused", ["requests-refused"]),
 }

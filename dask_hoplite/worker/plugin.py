@@ -150,6 +150,8 @@ class HopliteWorker(WorkerPlugin):
             "hoplite_reduce_abort": p.reductions.abort,
             "hoplite_reduce_running": p.reductions.running,
             "hoplite_reduce_replace": self._reduce_replace,
+            "hoplite_reduce_adopt": p.nodes.handle_adopt,
+            "hoplite_reduce_merge": p.nodes.handle_merge,
             "hoplite_result": p.small_allreduce.handle_result,
         }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,9 +28,15 @@ from distributed.protocol import serialize
 
 from dask_hoplite.core.reduce_ops import ReduceOp, resolve_op
 from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, select_field
-from dask_hoplite.core.store import Layout, ObjectBuffer
+from dask_hoplite.core.store import BufferState, Layout, ObjectBuffer
 from dask_hoplite.errors import ProtocolError, ReduceInputError, node_reply
-from dask_hoplite.worker.combine import NodeJob, combine_buffered, combine_raw, raw_capable
+from dask_hoplite.worker.combine import (
+    NodeJob,
+    PatchSource,
+    combine_buffered,
+    combine_raw,
+    raw_capable,
+)
 from dask_hoplite.worker.context import WorkerContext
 from dask_hoplite.worker.reductions import RunningReductions
 
@@ -54,12 +61,26 @@ def _operand(value: Any, spec: ReduceSpec, slot: int, rdt: np.dtype) -> np.ndarr
     return np.ascontiguousarray(flat, dtype=rdt)
 
 
+@dataclass
+class _RunningNode:
+    """A node running here, as a spread finds it: the buffer it serves and,
+    while it combines, its job."""
+
+    spec: ReduceSpec
+    rdt: np.dtype
+    block: int
+    buf: ObjectBuffer
+    job: NodeJob | None = None
+
+
 class ReduceNodes:
     """Runs this worker's nodes of reduce trees."""
 
     def __init__(self, ctx: WorkerContext, reductions: RunningReductions) -> None:
         self.ctx = ctx
         self.reductions = reductions
+        #: The nodes running here, by (reduction id, slot).
+        self.running: dict[tuple[str, int], _RunningNode] = {}
 
     async def run(self, spec: ReduceSpec, slot: int, value: Any, offset: int = 0) -> ObjectBuffer:
         """Combine node ``slot``'s input with its children's streams into its
@@ -69,6 +90,8 @@ class ReduceNodes:
         store = self.ctx.store
         op: ReduceOp = resolve_op(spec.op)
         rdt = op.result_dtype(np.dtype(spec.dtype))
+        itemsize = max(1, rdt.itemsize)
+        block = max(itemsize, spec.block_bytes // itemsize * itemsize)
         key = spec.partial_key(slot)
         children = spec.children(slot)
         if not children:
@@ -76,6 +99,7 @@ class ReduceNodes:
             own = _operand(value, spec, slot, rdt)
             layout = result_layout(spec.node_shape(), rdt)
             leaf = store.add_source(key, layout.header, [own.view(np.uint8)])
+            self.running[spec.rid, slot] = _RunningNode(spec, rdt, block, leaf)
             self.reductions.announced(key)
             return leaf
         acc = store.announce(key)
@@ -83,10 +107,9 @@ class ReduceNodes:
         try:
             own = _operand(value, spec, slot, rdt)
             acc.allocate(result_layout(spec.node_shape(), rdt))
-            itemsize = max(1, rdt.itemsize)
-            block = max(itemsize, spec.block_bytes // itemsize * itemsize)
-            replace = functools.partial(self.replace_child, spec)
-            job = NodeJob(self.ctx, spec, children, op, rdt, own, acc, block, replace, offset)
+            repair = functools.partial(self.repair_child, spec)
+            job = NodeJob(self.ctx, spec, children, op, rdt, own, acc, block, repair, offset)
+            self.running[spec.rid, slot] = _RunningNode(spec, rdt, block, acc, job)
             if raw_capable(spec, children):
                 await combine_raw(job)
             elif offset:
@@ -98,6 +121,9 @@ class ReduceNodes:
             acc.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))
             store.discard_if(key, acc)
             raise
+        finally:
+            if slot == spec.root:  # the others are held until sent
+                self.running.pop((spec.rid, slot), None)
 
     async def handle_node(self, spec: dict[str, Any], slot: int, offset: int = 0) -> dict[str, Any]:
         """RPC ``hoplite_reduce_node``: run node ``slot`` of a reduce tree (from
@@ -140,8 +166,11 @@ class ReduceNodes:
         key = spec.partial_key(slot)
         root = spec.addresses[spec.root]
         alive = functools.partial(self._root_running, root, spec.rid)
-        async with self.reductions.held_until_sent(key, alive=alive):
-            await self.run(spec, slot, value, offset)
+        try:
+            async with self.reductions.held_until_sent(key, alive=alive):
+                await self.run(spec, slot, value, offset)
+        finally:
+            self.running.pop((spec.rid, slot), None)
 
     async def _root_running(self, root: str, rid: str) -> bool:
         """Whether worker ``root`` still runs reduction ``rid`` (no answer
@@ -156,11 +185,12 @@ class ReduceNodes:
         except Exception:
             return False
 
-    async def replace_child(
+    async def repair_child(
         self, spec: ReduceSpec, slot: int, offset: int, dead: str, error: Exception
-    ) -> str:
-        """Ask the root of ``spec`` for a replacement of child node ``slot``
-        whose stream broke (``error``) at byte ``offset``; its new address.
+    ) -> str | list[PatchSource]:
+        """Ask the root of ``spec`` to repair child node ``slot`` whose stream
+        broke (``error``) at byte ``offset``: the address of its replacement,
+        or the patches to read in its place (the dead node was spread).
         Raises ``error`` if the root refuses."""
         cfg = self.ctx.config
         root = spec.addresses[spec.root]
@@ -184,5 +214,88 @@ class ReduceNodes:
             raise error from e
         if reply.get("status") != "OK":
             raise error
+        if "patches" in reply:
+            self.ctx.event("reduce-children-spread", slot=slot, dead=dead)
+            return [
+                PatchSource(
+                    spec.input_patch_key(p["slot"]) if p["input"] else spec.partial_key(p["slot"]),
+                    p["address"],
+                    p["start"],
+                    p["end"],
+                )
+                for p in reply["patches"]
+            ]
         self.ctx.event("reduce-children-replaced", slot=slot, dead=dead)
         return str(reply["address"])
+
+    # ------------------------------------------------------------- spreads
+
+    async def handle_adopt(
+        self, rid: str, slot: int, child: int, address: str, at_least: int
+    ) -> dict[str, Any]:
+        """RPC ``hoplite_reduce_adopt``: node ``slot`` of reduction ``rid``
+        combines child ``child`` (on ``address``) from a byte at or after
+        ``at_least`` that it has not begun; replies that byte (None: the
+        node no longer combines, its parent takes the whole rest)."""
+        node = self.running.get((rid, slot))
+        start = None
+        if node is not None and node.job is not None:
+            start = node.job.add_child(at_least, node.spec.partial_key(child), address, child)
+        return {"status": "OK", "start": start}
+
+    async def handle_merge(
+        self, spec: dict[str, Any], slot: int, input_slot: int, at_least: int, dead: str
+    ) -> dict[str, Any]:
+        """RPC ``hoplite_reduce_merge``: node ``slot`` adds the input of dead
+        node ``input_slot`` (recomputed on this worker; its old worker was
+        ``dead``) into its stream, from a byte at or after ``at_least`` that
+        no live reader has taken; replies that byte. The bytes before it are
+        served for a patch, under :meth:`ReduceSpec.input_patch_key`."""
+        s = ReduceSpec.from_msg(spec)
+        key = s.inputs[input_slot]
+        data = self.ctx.worker.data
+        if key not in data:
+            return node_reply(
+                f"input {key!r} of the reduction is not in memory on {self.ctx.address}"
+            )
+        try:
+            value = select_field(data[key], s.field, key)
+            node = self.running.get((s.rid, slot))
+            rdt = resolve_op(s.op).result_dtype(np.dtype(s.dtype))
+            operand = _operand(value, s, input_slot, rdt)
+        except ReduceInputError as e:
+            return node_reply(e)
+        layout = result_layout(s.node_shape(), rdt)
+        patch = self.ctx.store.add_source(
+            s.input_patch_key(input_slot), layout.header, [operand.view(np.uint8)]
+        )
+        start: int | None = None
+        if node is not None and node.job is not None and not node.job.finished:
+            start = node.job.add_operand(at_least, operand)
+        elif node is not None and node.buf.state is BufferState.COMPLETE:
+            start = self._merge_served(node, operand, at_least, dead)
+        if start == at_least:  # no patch: nobody will read it
+            self.ctx.store.discard_if(s.input_patch_key(input_slot), patch)
+        return {"status": "OK", "start": start}
+
+    def _merge_served(
+        self, node: _RunningNode, operand: np.ndarray, at_least: int, dead: str
+    ) -> int:
+        """Add ``operand`` into the complete buffer a node serves (a leaf's,
+        or a finished node's), from the first block at or after ``at_least``
+        that no reader but the ``dead`` worker has taken: the buffer's
+        readers then read the sum."""
+        buf, block = node.buf, node.block
+        total = buf.nbytes
+        start = min(total, -(-max(at_least, buf.served_to(ignore=dead)) // block) * block)
+        if start < total:
+            new = self.ctx.store.pool.allocate(total)
+            pos = 0
+            for frame in buf.frames():
+                new[pos : pos + frame.nbytes] = np.frombuffer(frame, dtype=np.uint8)
+                pos += frame.nbytes
+            itemsize = max(1, node.rdt.itemsize)
+            out = new[start:].view(node.rdt)
+            resolve_op(node.spec.op).combine(out, operand[start // itemsize :])
+            buf.swap_bytes(new)
+        return start

@@ -15,6 +15,7 @@ scheduler recomputes lost ones from their lineage), up to
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -35,11 +36,13 @@ from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, join_segments, segment_rid
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.core.tree_repair import TreeRepair
+from dask_hoplite.core.tree_spread import LiveTree, worker_load
 from dask_hoplite.errors import NodeFailed, ReduceInputError, node_error
 from dask_hoplite.scheduler_queries import network_estimate, wait_for_holders
 from dask_hoplite.worker.context import WorkerContext, all_or_cancel, cancel_quietly
 from dask_hoplite.worker.reduce_node import ReduceNodes
 from dask_hoplite.worker.reductions import RunningReductions
+from dask_hoplite.worker.tree_spreader import TreeSpreader
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,13 @@ class TreeRoot:
             spec,
             budget=0 if spec.is_allreduce else ctx.config.max_resumes,
             grace=ctx.config.stall_timeout,
+        )
+        #: The tree as spreads change it (``hoplite.reduce.repair``).
+        self.live = LiveTree(spec.parent)
+        self.spreader = (
+            TreeSpreader(ctx, self.live, self._load)
+            if ctx.config.reduce_repair == "spread"
+            else None
         )
         self.slot_of: dict[Task, int] = {}
         #: The task running each node now (its call to the node's worker).
@@ -244,6 +254,8 @@ class TreeRoot:
             logger.info("not replacing node %d of reduction %s: %s", slot, self.rid, why)
             return {"status": "error", "message": why}
         repair.begin(slot)
+        if self.spreader is not None:
+            self.spreader.dead_workers.add(dead)
         try:
             address = await self._holder_of(repair.spec.inputs[slot], avoid=dead)
         except Exception as e:
@@ -252,6 +264,10 @@ class TreeRoot:
         if repair.closed:
             repair.abandon(slot)
             return {"status": "error", "message": f"reduction {self.rid} is no longer running"}
+        if self.spreader is not None:
+            reply = await self.spreader.repair(repair, slot, offset, address)
+            if reply is not None:
+                return reply
         spec = repair.replaced(slot, address)
         task = asyncio.create_task(self._start_node(spec, slot, offset))
         self.current[slot] = task
@@ -265,6 +281,17 @@ class TreeRoot:
             offset,
         )
         return {"status": "OK", "address": address}
+
+    def _load(self) -> collections.Counter[str]:
+        """Streams into each worker over every running tree of this tree's
+        reduction (a reduce in parts runs one per segment, all rooted here)."""
+        rid = self.repair.spec.reduction_rid
+        trees = [
+            r
+            for r in self.reductions.roots.values()
+            if isinstance(r, TreeRoot) and r.repair.spec.reduction_rid == rid
+        ] or [self]
+        return worker_load((r.live, r.repair.spec.addresses) for r in trees)
 
     async def _why_not_dead(self, slot: int, dead: str) -> str | None:
         """Why node ``slot`` does not count as dead (None: its worker died).

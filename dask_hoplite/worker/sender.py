@@ -18,7 +18,7 @@ from distributed.comm.core import Comm, CommClosedError
 from distributed.core import Status
 
 from dask_hoplite.core.protocol import StreamRequest, error_reply
-from dask_hoplite.core.reduce_spec import is_partial_key
+from dask_hoplite.core.reduce_spec import is_input_patch_key, is_partial_key
 from dask_hoplite.core.store import BufferState, ObjectBuffer
 from dask_hoplite.errors import ProtocolError
 from dask_hoplite.streams import send_stream, wait_progress
@@ -87,7 +87,9 @@ class Sender:
         try:
             with (
                 ctx.streaming_out(),
-                accounting.sending(ctx.worker, req.key, who, buf.nbytes - req.offset) as sent,
+                accounting.sending(
+                    ctx.worker, req.key, who, req.stop(buf.nbytes) - req.offset
+                ) as sent,
             ):
                 n = await send_stream(
                     comm,
@@ -100,6 +102,9 @@ class Sender:
             ctx.count("bytes-sent", n)
             if req.offset + n == buf.nbytes:
                 self.reductions.sent(req.key)
+            if is_input_patch_key(req.key):
+                # A dead reduce node's input, served for one patch: done.
+                ctx.store.discard_if(req.key, buf)
         except Exception as e:
             logger.info("hoplite stream of %r to %s ended: %s", req.key, comm.peer_address, e)
             ctx.count("streams-aborted")
