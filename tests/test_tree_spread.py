@@ -22,6 +22,7 @@ def test_children_go_to_the_least_loaded_nodes_outside_the_dead_node_s_subtree()
     tree = _small()
     load = {u: 0 for u in range(6)}
     load[0] = 5  # the root's worker is busy
+    assert tree.inner() == {0, 1, 4}
     plan = tree.plan_spread(1, offset=100, merge_into=5, load=load)
     assert plan.parent == 0 and plan.merge_into == 5
     # 2 and 3 are inside 1's subtree; 4 and 5 are free; one child each.
@@ -30,6 +31,7 @@ def test_children_go_to_the_least_loaded_nodes_outside_the_dead_node_s_subtree()
     assert tree.gone == {1}
     assert tree.parent[2] == 4 and tree.parent[3] == 5
     assert tree.children(0) == [4] and tree.children(4) == [2, 5]
+    assert tree.inner() == {0, 4, 5}
     assert tree.subtree(4) == {4, 2, 5, 3}
 
 

@@ -156,11 +156,7 @@ class SpreadReduce(HopliteReduce):
         trees = [(t.live, t.host) for t in self.siblings if isinstance(t, SpreadReduce)]
         into = worker_load(trees)
         # Only inner nodes combine streams, so only they adopt (as built).
-        inner = {
-            u: into[h]
-            for u, h in enumerate(self.host)
-            if h not in self.dead and self.live.children(u)
-        }
+        inner = {u: into[self.host[u]] for u in self.live.inner() if self.host[u] not in self.dead}
         down = [u for u, h in enumerate(self.host) if h in self.dead]
         try:
             plan = self.live.plan_spread(v, b, w, inner, down, rng=self.tie)

@@ -1,7 +1,7 @@
 """Spreading a dead node of a running reduce tree over the live ones: the
 decisions, sans-IO.
 
-Today a running tree is repaired by *replacing* a dead node
+By default a running tree is repaired by *replacing* a dead node
 (:mod:`dask_hoplite.core.tree_repair`): a new node for its input starts on the
 worker W where Dask recomputed that input, and the dead node's children and
 parent stream to it. In split trees (``reduce(..., parts=k)``) every NIC is
@@ -14,9 +14,9 @@ When node ``v`` dies and its parent ``p`` had its stream up to byte ``b``:
   already sends, from a byte ``e_W >= b`` that node has not produced yet;
   bytes ``[b, e_W)`` of the input go to ``p`` as a :class:`Patch` (a stream
   with an end).
-- Each child ``c`` of ``v`` is adopted by a live node ``A`` outside ``v``'s
-  subtree (so no cycle forms), the one whose worker receives the fewest
-  streams (over every tree the root runs). ``A`` adds ``c``'s stream from a
+- Each child ``c`` of ``v`` is adopted by a live inner node ``A`` (only inner
+  nodes combine streams) outside ``v``'s subtree (so no cycle forms), the one
+  whose worker receives the fewest streams (over every tree the root runs). ``A`` adds ``c``'s stream from a
   byte ``e_c >= b`` it has not produced yet; ``c`` sends ``[b, e_c)`` to ``p``
   as a patch.
 - ``p`` combines the patches in ``v``'s place.
@@ -27,10 +27,10 @@ The bytes before ``b`` need nothing: they reached ``p`` through ``v``.
 :meth:`LiveTree.plan_spread` decides who adopts whom (the adopters then pick
 their bytes, which only they know), :meth:`SpreadPlan.patches` turns those
 bytes into the patches ``p`` reads, and :meth:`LiveTree.apply` records the
-new shape. No IO: the simulator (``benchmarks/simulator/spread_repair.py``)
-drives these decisions today; the workers' side (a node gaining an operand
-or a child mid-stream, streams with an end, a parent reading patches) is not
-built yet.
+new shape. No IO: the root's worker carries the decisions out
+(:mod:`dask_hoplite.worker.tree_spreader`, with ``hoplite.reduce.repair:
+spread``), and the simulator (``benchmarks/simulator/spread_repair.py``)
+drives them too.
 """
 
 from __future__ import annotations
@@ -119,6 +119,11 @@ class LiveTree:
                 seen.add(u)
                 stack.extend(below[u])
         return seen
+
+    def inner(self) -> set[int]:
+        """The nodes with a live child now: the ones that combine streams,
+        so the only ones that can adopt."""
+        return set(self.inflow())
 
     def inflow(self) -> collections.Counter[int]:
         """Streams into each node now: one per live child."""

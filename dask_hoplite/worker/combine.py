@@ -50,33 +50,23 @@ from dask_hoplite.worker.context import WorkerContext
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PatchSource:
-    """Bytes ``[start, end)`` of ``key`` on ``address``, combined in a dead
-    child's place (:mod:`dask_hoplite.core.tree_spread`)."""
-
-    key: Key
-    address: str
-    start: int
-    end: int
-
-
-#: ``(slot, offset, dead address, error) -> repair`` of a child whose stream
-#: broke: its replacement's address, or the patches to read in its place
-#: (from ``offset``); raises ``error`` when the child cannot be repaired.
-RepairChild = Callable[[int, int, str, Exception], Awaitable["str | list[PatchSource]"]]
-
-
 @dataclass(eq=False)
 class StreamInput:
     """A stream one node combines, bytes ``[start, end)``: a child's partial
-    result (``slot``; ``end`` the object's size), or a patch (``slot`` None)."""
+    result (``slot``; ``end`` the object's size), or a patch read in a dead
+    child's place (``slot`` None; :mod:`dask_hoplite.core.tree_spread`)."""
 
     key: Key
     address: str
     start: int
     end: int
     slot: int | None = None
+
+
+#: ``(slot, offset, dead address, error) -> repair`` of a child whose stream
+#: broke: its replacement's address, or the patches to read in its place
+#: (from ``offset``); raises ``error`` when the child cannot be repaired.
+RepairChild = Callable[[int, int, str, Exception], Awaitable["str | list[StreamInput]"]]
 
 
 @dataclass
@@ -203,9 +193,8 @@ class _RawInputs:
             inp.address = repair
             return [inp]
         inp.end = offset  # read no more: the patches (and adopters) carry it on
-        patches = [StreamInput(p.key, p.address, p.start, p.end) for p in repair]
-        self.inputs.extend(patches)
-        return [p for p in patches if p.start <= offset < p.end]
+        self.inputs.extend(repair)
+        return [p for p in repair if p.start <= offset < p.end]
 
     async def open_all(self, offset: int) -> None:
         """Open every input's stream from ``offset`` before the first block:
@@ -235,7 +224,10 @@ class _RawInputs:
         parts = []
         while todo:
             inp = todo.popleft()
-            into = self.scratch.setdefault(inp, memoryview(bytearray(job.block)))[: b - a]
+            scratch = self.scratch.get(inp)
+            if scratch is None:  # once per input, not per block
+                scratch = self.scratch[inp] = memoryview(bytearray(job.block))
+            into = scratch[: b - a]
             try:
                 pc, stream = await self._stream_of(inp, a)
                 with context_meter.meter("network", func=dask_time):

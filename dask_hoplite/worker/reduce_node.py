@@ -32,7 +32,7 @@ from dask_hoplite.core.store import BufferState, Layout, ObjectBuffer
 from dask_hoplite.errors import ProtocolError, ReduceInputError, node_reply
 from dask_hoplite.worker.combine import (
     NodeJob,
-    PatchSource,
+    StreamInput,
     combine_buffered,
     combine_raw,
     raw_capable,
@@ -187,7 +187,7 @@ class ReduceNodes:
 
     async def repair_child(
         self, spec: ReduceSpec, slot: int, offset: int, dead: str, error: Exception
-    ) -> str | list[PatchSource]:
+    ) -> str | list[StreamInput]:
         """Ask the root of ``spec`` to repair child node ``slot`` whose stream
         broke (``error``) at byte ``offset``: the address of its replacement,
         or the patches to read in its place (the dead node was spread).
@@ -217,7 +217,7 @@ class ReduceNodes:
         if "patches" in reply:
             self.ctx.event("reduce-children-spread", slot=slot, dead=dead)
             return [
-                PatchSource(
+                StreamInput(
                     spec.input_patch_key(p["slot"]) if p["input"] else spec.partial_key(p["slot"]),
                     p["address"],
                     p["start"],

@@ -69,10 +69,9 @@ class TreeRoot:
             budget=0 if spec.is_allreduce else ctx.config.max_resumes,
             grace=ctx.config.stall_timeout,
         )
-        #: The tree as spreads change it (``hoplite.reduce.repair``).
-        self.live = LiveTree(spec.parent)
+        #: Spreads this tree's dead nodes (``hoplite.reduce.repair: spread``).
         self.spreader = (
-            TreeSpreader(ctx, self.live, self._load)
+            TreeSpreader(ctx, LiveTree(spec.parent), self._load)
             if ctx.config.reduce_repair == "spread"
             else None
         )
@@ -286,12 +285,14 @@ class TreeRoot:
         """Streams into each worker over every running tree of this tree's
         reduction (a reduce in parts runs one per segment, all rooted here)."""
         rid = self.repair.spec.reduction_rid
-        trees = [
-            r
-            for r in self.reductions.roots.values()
-            if isinstance(r, TreeRoot) and r.repair.spec.reduction_rid == rid
-        ] or [self]
-        return worker_load((r.live, r.repair.spec.addresses) for r in trees)
+        roots = {self, *self.reductions.roots.values()}
+        return worker_load(
+            (r.spreader.live, r.repair.spec.addresses)
+            for r in roots
+            if isinstance(r, TreeRoot)
+            and r.spreader is not None
+            and r.repair.spec.reduction_rid == rid
+        )
 
     async def _why_not_dead(self, slot: int, dead: str) -> str | None:
         """Why node ``slot`` does not count as dead (None: its worker died).

@@ -112,7 +112,7 @@ class TreeSpreader:
             return None  # the input's new worker runs no node of this tree
         load = self.load()
         # Only inner nodes combine streams; a leaf would hand a child back.
-        inner = {u: load[hosts[u]] for u in range(len(hosts)) if live.children(u)}
+        inner = {u: load[hosts[u]] for u in live.inner()}
         down = {u for u, h in enumerate(hosts) if h in self.dead_workers}
         try:
             return live.plan_spread(slot, offset, mine[0], inner, down)
