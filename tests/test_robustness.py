@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from distributed.comm import connect
 from distributed.utils_test import gen_cluster, gen_test
+from distributed.worker_state_machine import FreeKeysEvent
 
 import dask_hoplite.compat
 from dask_hoplite import Hoplite, HopliteWorker
 from dask_hoplite.core.protocol import PROTOCOL_VERSION, STREAM_OP
+from dask_hoplite.core.store import BufferState, ObjectBuffer
 
 SMALL = {"hoplite.min-bytes": "64 KiB", "hoplite.min-block-bytes": "4 KiB"}
 
@@ -146,6 +148,49 @@ async def test_a_fetch_that_waits_too_long_for_a_sender_is_done_by_dask(c, s, a,
     s.plugins["hoplite"].directory.fanout = 0  # no holder ever has an upload slot
     assert await c.submit(checksum, x, workers=[b.address]) == float(np.arange(100_000).sum())
     assert b.plugins["hoplite-worker"].stats.get("keys-received", 0) == 0  # not through hoplite
+
+
+@gen_cluster(client=True, nthreads=[("", 1)], config=SMALL)
+async def test_a_key_released_while_serialised_for_a_peer_leaves_no_copy(c, s, a):
+    """A peer asks for a key that lives only in Dask's memory here; while the
+    sender serialises it (off the event loop), Dask releases the key. The
+    copy must not be added afterwards: nothing would release it again, and
+    the worker would hold the object's bytes for good (seen in chaos runs)."""
+    await c.register_plugin(Hoplite())
+    x = c.submit(np.arange, 1_000_000, workers=[a.address], key="x")
+    await x
+    plugin = a.plugins["hoplite-worker"]
+    assert "x" not in plugin.store  # computed here: only in a.data so far
+    serving = asyncio.create_task(plugin.parts.sender.source("x"))
+    await asyncio.sleep(0)  # the sender is serialising x now
+    a.handle_stimulus(FreeKeysEvent(keys=["x"], stimulus_id="test-release"))
+    assert "x" not in a.data
+    assert await serving is None
+    assert "x" not in plugin.store
+
+
+@gen_cluster(client=True, nthreads=[("", 1)], config={**SMALL, "hoplite.resume-window": "200ms"})
+async def test_a_key_released_while_it_completes_a_partial_copy_leaves_no_copy(c, s, a):
+    """A partial copy of a key waits for a resume; the key is computed here,
+    and while its value is serialised to complete that copy, Dask releases
+    the key. The copy is kept for a resume, then goes: it must not be
+    completed from the released value, which would keep it for good."""
+    await c.register_plugin(Hoplite())
+    x = c.submit(np.arange, 1_000_000, workers=[a.address], key="x")
+    await x
+    plugin = a.plugins["hoplite-worker"]
+    value = ObjectBuffer.from_frames("x", *await plugin.parts.ctx.serialize(a.data["x"]))
+    partial = plugin.store.announce("x")
+    partial.allocate(value.layout)
+    partial.write(0, bytes(value.frames()[0])[:4096])  # a stream got this far, then died
+    completing = asyncio.create_task(plugin.parts.partial_copies._adopt_local("x", partial))
+    await asyncio.sleep(0)  # the value is being serialised now
+    x.release()  # nobody wants x any more (reaches the scheduler later)
+    a.handle_stimulus(FreeKeysEvent(keys=["x"], stimulus_id="test-release"))
+    await completing
+    assert partial.state is BufferState.RECEIVING  # kept for a resume, not completed
+    while "x" in plugin.store:  # until the resume window ends
+        await asyncio.sleep(0.05)
 
 
 @gen_test()

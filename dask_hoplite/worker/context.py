@@ -143,6 +143,21 @@ class WorkerContext:
         with context_meter.meter("serialize"):
             return await offload(serialize, value, serializers=("dask", "pickle"), on_error="raise")
 
+    async def serialize_held(self, key: Key) -> tuple[dict[str, Any], list[Any]] | None:
+        """The value of ``key`` in this worker's memory, serialised; None if
+        the key is not in memory here, or was released (or released and
+        computed again) while it was being serialised: a copy made from it
+        would outlive the key here, as no transition of Dask's would release
+        it again."""
+        worker = self.worker
+        if key not in worker.data:
+            return None
+        task = worker.state.tasks.get(key)
+        header, frames = await self.serialize(worker.data[key])
+        if key not in worker.data or worker.state.tasks.get(key) is not task:
+            return None
+        return header, frames
+
     async def deserialize(self, buf: ObjectBuffer) -> Any:
         """The object in the complete buffer ``buf``, deserialised off the loop."""
         assert buf.layout is not None

@@ -94,9 +94,11 @@ class PartialCopies:
         task recomputed), drop the copy: its readers restart elsewhere."""
         ctx = self.ctx
         try:
-            if key not in ctx.worker.data:
-                raise KeyError(f"{key!r} left memory before it was adopted")
-            header, frames = await ctx.serialize(ctx.worker.data[key])
+            held = await ctx.serialize_held(key)
+            if held is None:
+                # Released meanwhile: the transition kept or dropped the copy.
+                return
+            header, frames = held
             if ctx.store.get(key) is not buf or buf.state is not BufferState.RECEIVING:
                 return  # released or completed meanwhile
             buf.adopt(ObjectBuffer.from_frames(key, header, frames))

@@ -47,10 +47,10 @@ class Sender:
             if not await self.reductions.wait_announced(key):
                 return None
             return store.get(key)
-        data = self.ctx.worker.data
-        if key not in data:
+        held = await self.ctx.serialize_held(key)
+        if held is None:
             return None
-        header, frames = await self.ctx.serialize(data[key])
+        header, frames = held
         return store.add_source(key, header, frames)
 
     async def _open(self, req: StreamRequest) -> ObjectBuffer:
