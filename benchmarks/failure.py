@@ -139,6 +139,9 @@ if method == "hoplite":
         for _, e in c.get_events("hoplite")
         if e["action"] == "reduce-spread"
     ]
+    out["refusals"] = sorted(
+        {e.get("reason", "") for _, e in c.get_events("hoplite") if e["action"] == "requests-refused"}
+    )
 print(json.dumps(out), flush=True)
 """
 
@@ -168,6 +171,8 @@ class Outcome:
     spreads: tuple[dict, ...] = ()
     repair: str = ""  # hoplite.reduce.repair, where set
     parts: int = 0  # the segments of reduce-parts
+    #: Why workers refused stream requests (a refusal can restart a tree).
+    refusals: tuple[str, ...] = ()
 
     @property
     def x_bound(self) -> float:
@@ -265,6 +270,7 @@ def run_one(
         tuple(out.get("spreads", ())),
         (env or {}).get("DASK_HOPLITE__REDUCE__REPAIR", ""),
         parts if scenario == "reduce-parts" else 0,
+        tuple(out.get("refusals", ())),
     )
 
 

@@ -228,3 +228,55 @@ async def test_a_failed_segment_stops_the_other_segments_and_names_the_bad_input
     await asyncio.sleep(0)
     assert sorted(cancelled) == [0, 2]
     assert await all_or_cancel([asyncio.sleep(0, result=i) for i in range(3)], "x") == [0, 1, 2]
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)] * 3,
+    config={**SMALL, "hoplite.stall-timeout": "30s"},
+    timeout=60,
+)
+async def test_a_child_keeps_its_partial_result_until_its_parent_releases_it(c, s, a, b, w):
+    """Chain a <- b <- w. Node b reads all of w's partial result and finishes
+    while its parent (the root, not started here) has read none of b's. Were
+    b to die now, its replacement would read w's partial result again from
+    where the root stopped, so w must still serve it: it lets go only when b
+    releases it, which b does once it is released itself."""
+    from dask_hoplite.core.reduce_spec import ReduceSpec
+
+    await c.register_plugin(Hoplite())
+    n = 2**18  # 2 MiB of float64 per input
+    xs = [
+        c.submit(np.full, n, float(i + 1), workers=[wk.address], key=f"x{i}")
+        for i, wk in enumerate((a, b, w))
+    ]
+    await c.gather(xs)
+    spec = ReduceSpec(
+        rid="held",
+        op="sum",
+        inputs=("x0", "x1", "x2"),
+        addresses=(a.address, b.address, w.address),
+        parent=(None, 0, 1),
+        shape=(n,),
+        dtype="float64",
+        block_bytes=2**16,
+    )
+    nodes = [
+        asyncio.create_task(a.rpc(wk.address).hoplite_reduce_node(spec=spec.to_msg(), slot=slot))
+        for slot, wk in ((2, w), (1, b))
+    ]
+    stores = {wk: wk.plugins["hoplite-worker"].store for wk in (b, w)}
+    mid = stores[b].announce(spec.partial_key(1))
+    while mid.state is not BufferState.COMPLETE:  # b has read all of w
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.5)  # time for w to let go, were it to
+    leaf = await w.plugins["hoplite-worker"].parts.sender.source(spec.partial_key(2))
+    assert leaf is not None, "w dropped its partial result once b had read it"
+    np.testing.assert_array_equal(np.frombuffer(leaf.frames()[0], dtype="float64"), 3.0)
+    np.testing.assert_array_equal(np.frombuffer(mid.frames()[0], dtype="float64"), 5.0)
+    assert not any(t.done() for t in nodes)
+    # The root has the result: it releases b, and b releases w.
+    await a.rpc(b.address).hoplite_reduce_release(rid="held", slots=[1])
+    assert [r["status"] for r in await asyncio.gather(*nodes)] == ["OK", "OK"]
+    while any(len(st) for st in stores.values()):
+        await asyncio.sleep(0.01)

@@ -125,7 +125,7 @@ class ReduceSpec:
         return self.parent.index(None)
 
     def partial_key(self, slot: int) -> tuple[str, str, int]:
-        return (PARTIAL, self.rid, slot)
+        return partial_key(self.rid, slot)
 
     def input_patch_key(self, slot: int) -> tuple[str, str, str]:
         """Key under which the worker that recomputed dead node ``slot``'s
@@ -158,6 +158,11 @@ def join_segments(
         lo, hi = dataclasses.replace(spec, shape=shape).bounds()
         flat[lo:hi] = np.asarray(seg).reshape(-1)
     return flat.reshape(shape)
+
+
+def partial_key(rid: str, slot: int) -> tuple[str, str, int]:
+    """The key of node ``slot``'s partial result in reduce tree ``rid``."""
+    return (PARTIAL, rid, slot)
 
 
 def is_partial_key(key: object) -> bool:

@@ -96,6 +96,10 @@ class NodeJob:
     begun: int = 0
     #: Whether the combining loop has finished (nothing can be added).
     finished: bool = False
+    #: Once finished: the children whose partial results this node read to
+    #: the end, where it read them (a replacement's address, an adopted
+    #: child's), which it releases when it is released itself.
+    read: list[StreamInput] = field(default_factory=list)
 
     def first_open_byte(self, at_least: int) -> int | None:
         """The byte from which a new operand or child can join this node's
@@ -284,6 +288,7 @@ async def combine_raw(job: NodeJob) -> None:
         streams.close()
     inputs.release_all(True)
     inputs.record(start)
+    job.read = [i for i in inputs.inputs if i.slot is not None and i.end >= total]
 
 
 async def combine_buffered(job: NodeJob) -> None:
@@ -306,6 +311,10 @@ async def combine_buffered(job: NodeJob) -> None:
             parts = [np.frombuffer(c.view(a, b), dtype=job.rdt) for c in child_bufs]
             job.combine_block(a, b, parts)
         await asyncio.gather(*tasks)
+        job.read = [
+            StreamInput(job.spec.partial_key(c), job.spec.addresses[c], 0, total, c)
+            for c in job.children
+        ]
     except BaseException:
         for t in tasks:
             t.cancel()

@@ -149,6 +149,7 @@ class HopliteWorker(WorkerPlugin):
             "hoplite_reduce_node": p.nodes.handle_node,
             "hoplite_reduce_abort": p.reductions.abort,
             "hoplite_reduce_running": p.reductions.running,
+            "hoplite_reduce_release": p.reductions.release,
             "hoplite_reduce_replace": self._reduce_replace,
             "hoplite_reduce_adopt": p.nodes.handle_adopt,
             "hoplite_reduce_merge": p.nodes.handle_merge,

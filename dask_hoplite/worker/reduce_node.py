@@ -116,6 +116,8 @@ class ReduceNodes:
                 raise ProtocolError("only TCP/TLS reduce nodes resume from an offset")
             else:
                 await combine_buffered(job)
+            if slot == spec.root:  # the result is complete: nothing needs the children
+                self._release_children(spec.rid, job)
             return acc
         except BaseException as e:
             acc.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))
@@ -139,7 +141,7 @@ class ReduceNodes:
             value = select_field(w.data[key], s.field, key)
         except ReduceInputError as e:
             return node_reply(e)
-        task = asyncio.create_task(self._run_until_sent(s, slot, value, offset))
+        task = asyncio.create_task(self._run_until_released(s, slot, value, offset))
         try:
             with self.reductions.tracked(s.rid, task):
                 await task
@@ -152,25 +154,50 @@ class ReduceNodes:
             logger.warning("reduce node %d of %s failed", slot, s.rid, exc_info=True)
             return node_reply(e)
 
-    async def _run_until_sent(
+    async def _run_until_released(
         self, spec: ReduceSpec, slot: int, value: Any, offset: int = 0
     ) -> None:
-        """Run one non-root node and hold its partial result until the parent
-        has streamed all of it.
+        """Run one non-root node and hold its partial result until its parent
+        releases it, then release its own children.
 
-        The parent reads its children in lockstep, so it may take this
-        node's last byte long after the node finished (a slower sibling, a
-        busy host). Only a reduction whose root stopped running it ends the
-        wait early: an alive root aborts the whole tree when any node fails,
-        so it is asked, once per stall timeout of waiting."""
+        Having streamed all of its partial result is not enough: a parent
+        that dies after reading all of it, before passing all of its own on,
+        is replaced by a node that reads it again from where the grandparent
+        stopped. So each partial result stays until its parent was released
+        in turn, which starts at the root once it has the result. A dead
+        parent releases nothing: the wait then ends when the root no longer
+        runs the reduction (asked once per stall timeout of waiting)."""
         key = spec.partial_key(slot)
         root = spec.addresses[spec.root]
         alive = functools.partial(self._root_running, root, spec.rid)
         try:
-            async with self.reductions.held_until_sent(key, alive=alive):
+            async with self.reductions.held_until_released(key, alive=alive):
                 await self.run(spec, slot, value, offset)
+            node = self.running.get((spec.rid, slot))
+            if node is not None and node.job is not None:
+                self._release_children(spec.rid, node.job)
         finally:
             self.running.pop((spec.rid, slot), None)
+
+    def _release_children(self, rid: str, job: NodeJob) -> None:
+        """Tell the workers of the children ``job`` read that their partial
+        results are needed no more (in the background: a child that does not
+        hear it lets go once the reduction has ended)."""
+        by_address: dict[str, list[int]] = {}
+        for inp in job.read:
+            if inp.slot is not None:
+                by_address.setdefault(inp.address, []).append(inp.slot)
+        for address, slots in by_address.items():
+            self.ctx.spawn(self._release(address, rid, slots))
+
+    async def _release(self, address: str, rid: str, slots: list[int]) -> None:
+        try:
+            await asyncio.wait_for(
+                self.ctx.worker.rpc(address).hoplite_reduce_release(rid=rid, slots=slots),
+                self.ctx.config.stall_timeout,
+            )
+        except Exception as e:
+            logger.debug("could not release nodes %s of %s on %s: %s", slots, rid, address, e)
 
     async def _root_running(self, root: str, rid: str) -> bool:
         """Whether worker ``root`` still runs reduction ``rid`` (no answer

@@ -6,8 +6,11 @@ What one worker must know about the trees it takes part in, by reduction id:
 
 * the partial results announced here (a parent may ask for a node's partial
   result before the node started: the sender waits for the announcement);
-* the partial results a peer has read completely (a node holds its buffer
-  until its parent took the last byte);
+* the partial results a peer has read completely (an allreduce copy is held
+  until its next copy took the last byte), and the ones a node's parent has
+  released (a node holds its partial result until then: if its parent dies
+  after reading all of it but before passing it all on, the parent's
+  replacement reads it again);
 * the node and copy tasks running here (an abort cancels them), and the ids
   aborted already (an abort may overtake its node's call);
 * the roots running here, each one object (:class:`RootHandle`), which the
@@ -24,7 +27,7 @@ from typing import Any, Protocol
 
 from dask.typing import Key
 
-from dask_hoplite.core.reduce_spec import is_partial_key
+from dask_hoplite.core.reduce_spec import is_partial_key, partial_key
 from dask_hoplite.worker.context import WorkerContext
 
 
@@ -41,6 +44,7 @@ class RunningReductions:
         self.ctx = ctx
         self._announced: dict[Key, asyncio.Future[None]] = {}
         self._sent: dict[Key, asyncio.Future[None]] = {}
+        self._released: dict[Key, asyncio.Future[None]] = {}
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self._aborted: deque[str] = deque(maxlen=1000)
         #: The roots running here, by reduction id.
@@ -75,32 +79,61 @@ class RunningReductions:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
+    def release(self, rid: str, slots: list[int]) -> None:
+        """RPC ``hoplite_reduce_release``: the parent of nodes ``slots`` of
+        reduction ``rid`` needs their partial results no more."""
+        for slot in slots:
+            fut = self._released.get(partial_key(rid, slot))
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
     @contextlib.asynccontextmanager
-    async def held_until_sent(
+    async def held_until_sent(self, key: Key, hold: bool = True) -> AsyncIterator[None]:
+        """Keep the buffer of ``key`` in the store after the body until a peer
+        has streamed all of it (waiting at most a stall timeout); then
+        release it."""
+        async with self._held(key, self._sent, hold, None):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def held_until_released(
+        self, key: Key, alive: Callable[[], Awaitable[bool]]
+    ) -> AsyncIterator[None]:
+        """Keep a node's partial result ``key`` in the store after the body
+        until its parent releases it (:meth:`release`), which it does once its
+        own parent released it, or the root has the result: each partial
+        result stays until nothing can need it again. ``alive()`` is asked
+        after each stall timeout of waiting: once the reduction no longer runs
+        (finished or aborted, the release lost with a dead parent) the buffer
+        goes."""
+        async with self._held(key, self._released, True, alive):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def _held(
         self,
         key: Key,
-        hold: bool = True,
-        alive: Callable[[], Awaitable[bool]] | None = None,
+        signals: dict[Key, asyncio.Future[None]],
+        hold: bool,
+        alive: Callable[[], Awaitable[bool]] | None,
     ) -> AsyncIterator[None]:
-        """Keep the buffer of ``key`` in the store after the body, until a peer
-        has streamed all of it; then release it. Waiting is bounded by the
-        stall timeout, or, given ``alive``, lasts while ``alive()`` (asked
-        after each stall timeout of waiting) says the reduction still runs."""
         stall = self.ctx.config.stall_timeout
-        sent = self._sent[key] = asyncio.get_running_loop().create_future()
+        done = signals[key] = asyncio.get_running_loop().create_future()
         try:
             yield
             while hold:
                 try:
-                    await asyncio.wait_for(asyncio.shield(sent), stall)
+                    await asyncio.wait_for(asyncio.shield(done), stall)
                     break
                 except asyncio.TimeoutError:
-                    if alive is None or not await alive():
+                    if alive is None:
                         raise asyncio.TimeoutError(
                             f"no peer took all of {key!r} within {stall:g}s"
                         ) from None
+                    if not await alive():
+                        break
         finally:
-            self._sent.pop(key, None)
+            signals.pop(key, None)
             buf = self.ctx.store.get(key)
             if buf is not None:
                 self.ctx.store.discard_if(key, buf)
