@@ -55,6 +55,29 @@ def test_a_relay_that_caught_up_goes_no_faster_than_its_own_sender():
     assert rates(net) == pytest.approx({("a", "b"): 3.0, ("b", "c"): 3.0})
 
 
+def test_a_flow_held_by_a_stalled_source_within_a_byte_waits_instead_of_stepping_in_place():
+    """Seen at 1,024 workers under the night's fit (the simulation did not
+    settle in 10 million events): a flow stopped by two sources within a
+    byte of it, one moving, one stalled, was given an unblock time below the
+    clock's resolution, so the loop stepped in place. It now waits for the
+    stalled source, and everything completes."""
+    from benchmarks.simulator.engine import Engine
+
+    net = Network(1e9)
+    engine = Engine(net)
+    engine.now = 1.0  # late enough that 3e-8 bytes at 1e9 B/s is below the clock's step
+    moving = Buffer(1000.0, pos=500.0)
+    stalled = Buffer(1000.0, pos=500.0 + 1e-7)
+    net.add(Flow("a", "x", moving, start=1.0))
+    net.add(Flow("d", "y", stalled, start=5.0))  # stalled until t = 5
+    lag = 100.0
+    reader = net.add(
+        Flow("x", "z", Buffer(1000.0, pos=500.0 - lag + 3e-8), sources=(moving, stalled), lag=lag)
+    )
+    assert engine.run(max_events=10_000) >= 5.0
+    assert reader.into.complete and reader.into.pos == 1000.0
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(

@@ -213,15 +213,20 @@ class Network:
 
     @staticmethod
     def _unblock(f: Flow) -> float:
-        """Seconds until every source of a stopped flow is ahead of it again."""
+        """Seconds until every source of a stopped flow is ahead of it again:
+        more than ``EPS`` bytes ahead, as the rate computation counts it. A
+        source within ``EPS`` of it counts too (a stalled one holds the flow
+        until its own rate changes, which reschedules its readers): measured
+        from exactly 0 bytes short, the wait can be shorter than the clock's
+        resolution, and the loop would step in place for ever."""
         t = 0.0
         for b in f.sources:
             short = f.into.pos + f.lag - b.pos
-            if short > 0 and b.pos < b.size - EPS:
+            if short > -EPS and b.pos < b.size - EPS:
                 r = b.inflow.rate if b.inflow is not None else 0.0
                 if r <= 0:
                     return INF
-                t = max(t, short / r)
+                t = max(t, (short + EPS) / r)
         return t if t > 0 else INF
 
     # ---------------------------------------------------------------- rates
