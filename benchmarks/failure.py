@@ -133,14 +133,15 @@ if method == "hoplite":
     out["tree_repairs"] = sum(s.get("reduce-repairs", 0) for s in stats.values())
     out["tree_restarts"] = sum(s.get("reduce-restarts", 0) for s in stats.values())
     out["adopted"] = sum(s.get("partial-copies-adopted", 0) for s in stats.values())
-    out["events"] = sorted({e["action"] for _, e in c.get_events("hoplite")})
+    events = [e for _, e in c.get_events("hoplite")]
+    out["events"] = sorted({e["action"] for e in events})
     out["spreads"] = [
         {k: e[k] for k in ("slot", "merged_into", "merged_from", "adopters", "patch_bytes")}
-        for _, e in c.get_events("hoplite")
+        for e in events
         if e["action"] == "reduce-spread"
     ]
     out["refusals"] = sorted(
-        {e.get("reason", "") for _, e in c.get_events("hoplite") if e["action"] == "requests-refused"}
+        {e.get("reason", "") for e in events if e["action"] == "requests-refused"}
     )
 print(json.dumps(out), flush=True)
 """

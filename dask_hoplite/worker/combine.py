@@ -101,6 +101,14 @@ class NodeJob:
     #: child's), which it releases when it is released itself.
     read: list[StreamInput] = field(default_factory=list)
 
+    def planned_children(self) -> list[StreamInput]:
+        """The streams of the children the tree's spec gives this node."""
+        total = self.acc.nbytes
+        return [
+            StreamInput(self.spec.partial_key(c), self.spec.addresses[c], self.offset, total, c)
+            for c in self.children
+        ]
+
     def first_open_byte(self, at_least: int) -> int | None:
         """The byte from which a new operand or child can join this node's
         stream, at or after ``at_least`` (None: the node has finished)."""
@@ -156,11 +164,7 @@ class _RawInputs:
 
     def __init__(self, job: NodeJob) -> None:
         self.job = job
-        total = job.acc.nbytes
-        self.inputs = [
-            StreamInput(job.spec.partial_key(c), job.spec.addresses[c], job.offset, total, c)
-            for c in job.children
-        ]
+        self.inputs = job.planned_children()
         self.opened: dict[StreamInput, tuple[PooledComm, IOStream]] = {}
         self.scratch: dict[StreamInput, memoryview] = {}
 
@@ -311,10 +315,7 @@ async def combine_buffered(job: NodeJob) -> None:
             parts = [np.frombuffer(c.view(a, b), dtype=job.rdt) for c in child_bufs]
             job.combine_block(a, b, parts)
         await asyncio.gather(*tasks)
-        job.read = [
-            StreamInput(job.spec.partial_key(c), job.spec.addresses[c], 0, total, c)
-            for c in job.children
-        ]
+        job.read = job.planned_children()
     except BaseException:
         for t in tasks:
             t.cancel()

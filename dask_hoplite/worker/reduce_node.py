@@ -124,7 +124,7 @@ class ReduceNodes:
             store.discard_if(key, acc)
             raise
         finally:
-            if slot == spec.root:  # the others are held until sent
+            if slot == spec.root:  # the others are held until released
                 self.running.pop((spec.rid, slot), None)
 
     async def handle_node(self, spec: dict[str, Any], slot: int, offset: int = 0) -> dict[str, Any]:
