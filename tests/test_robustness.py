@@ -169,7 +169,7 @@ async def test_a_key_released_while_serialised_for_a_peer_leaves_no_copy(c, s, a
     assert "x" not in plugin.store
 
 
-@gen_cluster(client=True, nthreads=[("", 1)], config={**SMALL, "hoplite.resume-window": "200ms"})
+@gen_cluster(client=True, nthreads=[("", 1)], config={**SMALL, "hoplite.resume-window": "1s"})
 async def test_a_key_released_while_it_completes_a_partial_copy_leaves_no_copy(c, s, a):
     """A partial copy of a key waits for a resume; the key is computed here,
     and while its value is serialised to complete that copy, Dask releases
@@ -188,7 +188,8 @@ async def test_a_key_released_while_it_completes_a_partial_copy_leaves_no_copy(c
     x.release()  # nobody wants x any more (reaches the scheduler later)
     a.handle_stimulus(FreeKeysEvent(keys=["x"], stimulus_id="test-release"))
     await completing
-    assert partial.state is BufferState.RECEIVING  # kept for a resume, not completed
+    # Kept for a resume (or already expired on a slow machine), never completed.
+    assert partial.state in (BufferState.RECEIVING, BufferState.FAILED)
     while "x" in plugin.store:  # until the resume window ends
         await asyncio.sleep(0.05)
 
