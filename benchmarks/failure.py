@@ -319,9 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repairs",
         nargs="+",
-        default=["replace"],
-        choices=["replace", "spread"],
-        help="hoplite.reduce.repair for the reduce scenarios, each in turn",
+        default=["auto"],
+        choices=["auto", "replace", "spread"],
+        help="hoplite.reduce.repair for the reduce scenarios, each in turn (auto, the "
+        "default: spread in a reduce in parts, replace in one tree)",
     )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             reduce = scenario.startswith("reduce")
             for parts in args.parts if scenario == "reduce-parts" else [2]:
                 for method in args.methods:
-                    repairs = args.repairs if reduce and method == "hoplite" else ["replace"]
+                    repairs = args.repairs if reduce and method == "hoplite" else ["auto"]
                     for kill in (False, True):
                         for _ in range(args.reps):
                             for repair in repairs if kill else repairs[:1]:

@@ -88,8 +88,10 @@ class HopliteConfig:
     broadcast_parts: int
     plan_wait: float
     reduce_parts: int
-    #: How a running reduce tree repairs a dead node: "replace" or "spread".
-    reduce_repair: str = "replace"
+    #: How a running reduce tree repairs a dead node: "replace", "spread", or
+    #: "auto" (spread in a reduce in parts, replace in one tree):
+    #: :meth:`repair_for`.
+    reduce_repair: str = "auto"
 
     @classmethod
     def from_dask_config(cls) -> HopliteConfig:
@@ -118,8 +120,10 @@ class HopliteConfig:
         if reduce_parts < 1:
             raise ValueError(f"hoplite.reduce.parts must be >= 1, got {reduce_parts}")
         repair = str(_get("reduce.repair"))
-        if repair not in ("replace", "spread"):
-            raise ValueError(f"hoplite.reduce.repair must be 'replace' or 'spread', got {repair!r}")
+        if repair not in ("auto", "replace", "spread"):
+            raise ValueError(
+                f"hoplite.reduce.repair must be 'auto', 'replace' or 'spread', got {repair!r}"
+            )
         max_inputs = int(_get("array.max-inputs"))
         if max_inputs < 2:
             raise ValueError(f"hoplite.array.max-inputs must be >= 2, got {max_inputs}")
@@ -153,6 +157,15 @@ class HopliteConfig:
             reduce_parts=reduce_parts,
             reduce_repair=repair,
         )
+
+    def repair_for(self, in_parts: bool) -> str:
+        """How a running tree repairs its dead nodes: ``"replace"`` or
+        ``"spread"``; ``in_parts``: the tree is one segment's of a reduce in
+        parts (split trees fill every NIC, so a replacement node would double
+        its worker's load; ``hoplite.reduce.repair: auto`` spreads there)."""
+        if self.reduce_repair != "auto":
+            return self.reduce_repair
+        return "spread" if in_parts else "replace"
 
     def block_size_for(self, nbytes: int) -> int:
         """Block size for an object of ``nbytes``: at least ``min_blocks`` blocks,

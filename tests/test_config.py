@@ -63,13 +63,24 @@ def test_environment_override(monkeypatch):
         ({"hoplite.min-blocks": 0}, "min-blocks"),
         ({"hoplite.array.max-inputs": 1}, "max-inputs"),
         ({"hoplite.reduce.latency": "0s"}, "reduce.latency"),
-        ({"hoplite.reduce.repair": "rebuild"}, "'replace' or 'spread', got 'rebuild'"),
+        ({"hoplite.reduce.repair": "rebuild"}, "'auto', 'replace' or 'spread', got 'rebuild'"),
     ],
 )
 def test_bad_settings_are_named(setting, match):
     with dask.config.set(setting):
         with pytest.raises(ValueError, match=match):
             HopliteConfig.from_dask_config()
+
+
+def test_a_reduce_in_parts_spreads_dead_nodes_by_default_and_one_tree_replaces_them():
+    cfg = HopliteConfig.from_dask_config()
+    assert cfg.reduce_repair == "auto"
+    assert cfg.repair_for(in_parts=True) == "spread"
+    assert cfg.repair_for(in_parts=False) == "replace"
+    for chosen in ("replace", "spread"):  # a setting other than auto is kept
+        with dask.config.set({"hoplite.reduce.repair": chosen}):
+            cfg = HopliteConfig.from_dask_config()
+        assert {cfg.repair_for(in_parts=p) for p in (True, False)} == {chosen}
 
 
 def test_block_size_scales_with_the_object():

@@ -56,14 +56,15 @@ def test_a_lost_source_is_recomputed_and_partial_copies_resume(ec):
 @pytest.mark.parametrize(
     "scenario, trees, repair",
     [
-        ("reduce", 1, "replace"),
+        # one tree replaces its dead nodes by default (hoplite.reduce.repair: auto)
+        ("reduce", 1, None),
         # parts=2 on 4 hosts: the dead worker is an inner node of one
         # segment's tree and a leaf of the other; each tree replaces it.
         ("reduce-parts", 2, "replace"),
     ],
 )
 def test_a_reduction_survives_a_dead_participant(ec, scenario, trees, repair):
-    env = {**ENV, "DASK_HOPLITE__REDUCE__REPAIR": repair}
+    env = dict(ENV) if repair is None else {**ENV, "DASK_HOPLITE__REDUCE__REPAIR": repair}
     o = run_one(ec, scenario, "hoplite", SIZE, kill=True, env=env)
     assert o.ok, o
     # the dead node was replaced inside each running tree; none restarted
@@ -74,13 +75,13 @@ def test_a_reduction_survives_a_dead_participant(ec, scenario, trees, repair):
 
 @pytest.mark.timeout(300)
 def test_a_reduction_in_parts_spreads_a_dead_participant_over_the_live_nodes(ec):
-    """With hoplite.reduce.repair = spread, a dead node is spread: in each
-    segment's tree its input joins the stream of the worker that recomputed
-    it, its children (in the tree where it has some) go to other inner nodes,
-    and its parent reads the blocks in between as patches. The result is
-    exact (checked by run_one) and no tree restarts."""
-    env = {**ENV, "DASK_HOPLITE__REDUCE__REPAIR": "spread"}
-    o = run_one(ec, "reduce-parts", "hoplite", SIZE, kill=True, env=env)
+    """By default (hoplite.reduce.repair: auto) a reduce in parts spreads a
+    dead node: in each segment's tree its input joins the stream of the
+    worker that recomputed it, its children (in the tree where it has some)
+    go to other inner nodes, and its parent reads the blocks in between as
+    patches. The result is exact (checked by run_one) and no tree restarts."""
+    assert "DASK_HOPLITE__REDUCE__REPAIR" not in ENV
+    o = run_one(ec, "reduce-parts", "hoplite", SIZE, kill=True, env=ENV)
     assert o.ok, o
     assert o.tree_repairs == 2 and o.tree_restarts == 0, o
     assert {"reduce-spread", "reduce-children-spread", "reduce-repaired"} <= set(o.events), o

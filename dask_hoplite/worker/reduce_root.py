@@ -69,10 +69,11 @@ class TreeRoot:
             budget=0 if spec.is_allreduce else ctx.config.max_resumes,
             grace=ctx.config.stall_timeout,
         )
-        #: Spreads this tree's dead nodes (``hoplite.reduce.repair: spread``).
+        #: Spreads this tree's dead nodes (``hoplite.reduce.repair``: spread,
+        #: or auto in a reduce in parts); None: replaces them.
         self.spreader = (
             TreeSpreader(ctx, LiveTree(spec.parent), self._load)
-            if ctx.config.reduce_repair == "spread"
+            if ctx.config.repair_for(in_parts=spec.segment is not None) == "spread"
             else None
         )
         self.slot_of: dict[Task, int] = {}
