@@ -200,7 +200,9 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
             root = plan.host_of_node_before_start(plan.tree.root)
         else:
             root = workers[0]  # SplitReduce roots every segment's tree there
-        for repair in args.reduce_repair:
+        for chosen in args.reduce_repair:
+            # auto, as hoplite.reduce.repair: spread in parts, replace in one tree
+            repair = chosen if chosen != "auto" else "spread" if parts > 1 else "replace"
             run: Run = partial(_reduce, cluster, n, size, parts, args.seed, repair, args.recompute)
             method = "hoplite" if parts == 1 else f"hoplite-parts{parts}"
             method += "" if repair == "replace" else f"-{repair}"
@@ -296,10 +298,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--reduce-repair",
         nargs="+",
-        choices=sorted(REPAIRS),
-        default=["replace"],
-        help="how a dead reduce node is repaired: 'replace' as dask-hoplite does; 'spread', "
-        "hoplite.reduce.repair: spread (benchmarks/simulator/spread_repair.py)",
+        choices=["auto", *sorted(REPAIRS)],
+        default=["auto"],
+        help="how a dead reduce node is repaired, as hoplite.reduce.repair: 'replace' (a "
+        "node for its input), 'spread' (benchmarks/simulator/spread_repair.py), 'auto' "
+        "(the default: spread in parts, replace in one tree)",
     )
     p.add_argument("--block-bytes", type=parse_bytes, default=Cluster.block_bytes)
     p.add_argument("--hop-latency", type=float, help="seconds; overrides the calibration")

@@ -457,3 +457,23 @@ def test_the_simulation_refuses_a_measurement_file_that_does_not_exist(capsys, t
         with pytest.raises(SystemExit):
             simulate.main([flag, missing])
         assert f"no such measurement file: {missing}" in capsys.readouterr().err
+
+
+def test_the_simulation_repairs_as_the_library_does_by_default(tmp_path):
+    """Without --reduce-repair the simulator repairs as hoplite.reduce.repair's
+    default does: a dead node spread in a reduce in parts, replaced in one tree."""
+    from benchmarks import simulate
+
+    out = str(tmp_path / "sim")
+    simulate.main(
+        [
+            "--workers", "8", "--size", "8MiB", "--gbit", "1", "--parts", "1", "2",
+            "--scenarios", "ac", "--collectives", "reduce", "--no-dask",
+            "--hop-latency", "0", "--out", out,
+        ]
+    )  # fmt: skip
+    with open(out + ".json") as f:
+        rows = json.load(f)["rows"]
+    methods = {r["method"] for r in rows if r["scenario"].startswith("c")}
+    assert methods == {"hoplite", "hoplite-parts2-spread"}
+    assert all(r["repairs"] >= 1 for r in rows if r["scenario"].startswith("c"))
