@@ -197,14 +197,23 @@ def main(argv: list[str] | None = None) -> int:
         # One process per configuration: a process enters the emulated
         # scheduler host's namespace once, before any thread starts.
         rows = []
+        missing = []
         for config in args.configs:
             part = f"{args.out}-{config.replace('@', '-')}"
             cmd = [sys.executable, os.path.abspath(__file__), "--configs", config, "--out", part]
             cmd += ["--size", args.size, "--reps", str(args.reps)]
             cmd += ["--broadcast-methods", *args.broadcast_methods]
             cmd += ["--reduce-methods", *args.reduce_methods]
-            subprocess.run([*cmd, "--collectives", *args.collectives], check=False)
-            if os.path.exists(part + ".json"):
+            done = subprocess.run([*cmd, "--collectives", *args.collectives], check=False)
+            if not os.path.exists(part + ".json"):
+                # Say so: a table without the configuration reads as complete.
+                missing.append(config)
+                print(
+                    f"configuration {config} wrote no results (exit {done.returncode})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
                 rows += load(part + ".json")
                 os.remove(part + ".json")
                 with contextlib.suppress(FileNotFoundError):
@@ -214,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     plot(rows, args.out + ".png")
     print(f"\nwrote {args.out}.json and {args.out}.png")
-    return 0 if all(r.ok for _, r in rows) else 1
+    if missing:
+        print(f"missing configurations: {', '.join(missing)}", file=sys.stderr)
+    return 0 if all(r.ok for _, r in rows) and not missing else 1
 
 
 if __name__ == "__main__":

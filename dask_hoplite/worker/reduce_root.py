@@ -73,7 +73,8 @@ class TreeRoot:
         #: or auto in a reduce in parts); None: replaces them.
         self.spreader = (
             TreeSpreader(ctx, LiveTree(spec.parent), self._load)
-            if ctx.config.repair_for(in_parts=spec.segment is not None) == "spread"
+            if not spec.is_allreduce  # an allreduce's trees are not repaired
+            and ctx.config.repair_for(in_parts=spec.segment is not None) == "spread"
             else None
         )
         self.slot_of: dict[Task, int] = {}
