@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_config(c)
     size = parse_bytes(args.size)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    missing: list[str] = []  # configurations that wrote no results
     if len(args.configs) == 1:
         rows = run_config(
             args.configs[0],
@@ -197,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         # One process per configuration: a process enters the emulated
         # scheduler host's namespace once, before any thread starts.
         rows = []
-        missing = []
         for config in args.configs:
             part = f"{args.out}-{config.replace('@', '-')}"
             cmd = [sys.executable, os.path.abspath(__file__), "--configs", config, "--out", part]
