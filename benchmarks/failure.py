@@ -19,7 +19,8 @@ Scenarios (N worker hosts, objects of S bytes, per-host bandwidth B):
   broke (the rest of the tree keeps its partial results). Goal: recompute + 2 S/B.
 * ``reduce-parts``      the same reduction in 2 segments, each up its own
   tree (``parts=2``); w1 is an inner node of the first tree and a leaf of the
-  second: each tree replaces its dead node. Goal: recompute + 2 S/B.
+  second: each tree repairs its dead node (spreads it by default,
+  ``--repairs``). Goal: recompute + 2 S/B.
 
 Each scenario runs without failure too, with hoplite and with Dask's default
 (no plugin), on a fresh Dask cluster every time. Times are from the first
@@ -190,6 +191,16 @@ def victim_of(scenario: str) -> str:
     }[scenario]
 
 
+def _repair_used(scenario: str, method: str, setting: str) -> str:
+    """The repair a reduce scenario ran with under ``hoplite.reduce.repair``
+    ``setting`` (auto: spread in parts, replace in one tree); "" where none."""
+    if method != "hoplite" or not scenario.startswith("reduce"):
+        return ""
+    if setting != "auto":
+        return setting
+    return "spread" if scenario == "reduce-parts" else "replace"
+
+
 def run_one(
     ec: EmulatedCluster,
     scenario: str,
@@ -269,7 +280,7 @@ def run_one(
         int(out.get("adopted", 0)),
         tuple(out.get("events", ())),
         tuple(out.get("spreads", ())),
-        (env or {}).get("DASK_HOPLITE__REDUCE__REPAIR", ""),
+        _repair_used(scenario, method, (env or {}).get("DASK_HOPLITE__REDUCE__REPAIR", "")),
         parts if scenario == "reduce-parts" else 0,
         tuple(out.get("refusals", ())),
     )

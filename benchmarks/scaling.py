@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_config(c)
     size = parse_bytes(args.size)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    missing: list[str] = []  # configurations that wrote no results
+    missing: list[str] = []  # configurations that failed or wrote no results
     if len(args.configs) == 1:
         rows = run_config(
             args.configs[0],
@@ -204,16 +204,18 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--size", args.size, "--reps", str(args.reps)]
             cmd += ["--broadcast-methods", *args.broadcast_methods]
             cmd += ["--reduce-methods", *args.reduce_methods]
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(part + ".json")  # an earlier run's, interrupted
             done = subprocess.run([*cmd, "--collectives", *args.collectives], check=False)
-            if not os.path.exists(part + ".json"):
+            if done.returncode != 0 or not os.path.exists(part + ".json"):
                 # Say so: a table without the configuration reads as complete.
                 missing.append(config)
                 print(
-                    f"configuration {config} wrote no results (exit {done.returncode})",
+                    f"configuration {config} failed or wrote no results (exit {done.returncode})",
                     file=sys.stderr,
                     flush=True,
                 )
-            else:
+            if os.path.exists(part + ".json"):
                 rows += load(part + ".json")
                 os.remove(part + ".json")
                 with contextlib.suppress(FileNotFoundError):
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, args.out + ".png")
     print(f"\nwrote {args.out}.json and {args.out}.png")
     if missing:
-        print(f"missing configurations: {', '.join(missing)}", file=sys.stderr)
+        print(f"failed or missing configurations: {', '.join(missing)}", file=sys.stderr)
     return 0 if all(r.ok for _, r in rows) and not missing else 1
 
 

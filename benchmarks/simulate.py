@@ -200,9 +200,11 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
             root = plan.host_of_node_before_start(plan.tree.root)
         else:
             root = workers[0]  # SplitReduce roots every segment's tree there
-        for chosen in args.reduce_repair:
-            # auto, as hoplite.reduce.repair: spread in parts, replace in one tree
-            repair = chosen if chosen != "auto" else "spread" if parts > 1 else "replace"
+        # auto, as hoplite.reduce.repair: spread in parts, replace in one tree
+        resolved = [
+            r if r != "auto" else "spread" if parts > 1 else "replace" for r in args.reduce_repair
+        ]
+        for repair in dict.fromkeys(resolved):  # each repair once, in order
             run: Run = partial(_reduce, cluster, n, size, parts, args.seed, repair, args.recompute)
             method = "hoplite" if parts == 1 else f"hoplite-parts{parts}"
             method += "" if repair == "replace" else f"-{repair}"

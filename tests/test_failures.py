@@ -2,7 +2,8 @@
 processes, real rate-limited network, SIGKILL): broadcasts resume from the
 byte they reached, a lost source is recomputed and its partial copies
 resume, a reduction (whole or in parts) replaces a dead participant inside
-its running tree(s). Needs root and iproute2 (CI has both); skipped
+its running tree(s), or (a reduce in parts, by default) spreads it over
+the live nodes. Needs root and iproute2 (CI has both); skipped
 elsewhere."""
 
 from __future__ import annotations

@@ -190,6 +190,8 @@ async def test_a_key_released_while_it_completes_a_partial_copy_leaves_no_copy(c
     await completing
     # Kept for a resume (or already expired on a slow machine), never completed.
     assert partial.state in (BufferState.RECEIVING, BufferState.FAILED)
+    assert plugin.stats.get("partial-copies-kept", 0) == 1
+    assert plugin.stats.get("partial-copies-adopted", 0) == 0
     while "x" in plugin.store:  # until the resume window ends
         await asyncio.sleep(0.05)
 

@@ -26,6 +26,7 @@ def _run(tmp_path, *configs):
     cmd += ["--collectives", "broadcast", "--broadcast-methods", "hoplite"]
     cmd += ["--size", "8MiB", "--reps", "1", "--out", out]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
     with open(out + ".json") as f:
         rows = json.load(f)
     return done, rows
@@ -35,8 +36,7 @@ def _run(tmp_path, *configs):
 @pytest.mark.parametrize("configs", [("2x1@1000",), ("2x1@1000", "3x1@1000")])
 def test_a_scaling_run_writes_a_row_per_configuration_and_exits_0(tmp_path, configs):
     done, rows = _run(tmp_path, *configs)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "missing configurations" not in done.stderr
+    assert "failed or missing configurations" not in done.stderr
     assert len(rows) == len(configs), rows
     table = done.stdout
     for config in configs:

@@ -268,7 +268,8 @@ class SplitReduce:
         tree_class: type[HopliteReduce] | None = None,
         **kw: float,
     ):
-        tree_class = tree_class or HopliteReduce  # the repair, as built
+        # replaced; simulate.py passes the library's default for parts (spread)
+        tree_class = tree_class or HopliteReduce
         workers = [address(i) for i in range(n_workers)]
         specs = split_tree_specs("sim", "sum", workers, workers, 0, parts, cluster.block_bytes)
         self.engine = Engine(Network(cluster.rate))

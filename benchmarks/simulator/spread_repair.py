@@ -1,8 +1,8 @@
-"""The repair ``hoplite.reduce.repair: spread``, modelled: a dead node is not
-replaced, it is *spread*.
+"""The repair ``hoplite.reduce.repair: spread`` (the default in a reduce in
+parts), modelled: a dead node is not replaced, it is *spread*.
 
-:class:`~benchmarks.simulator.reduce.HopliteReduce` models the repair the real
-code does (``worker/reduce_root.py``): a new node on the worker W where the
+:class:`~benchmarks.simulator.reduce.HopliteReduce` models the other repair,
+the real code's in one tree (``worker/reduce_root.py``): a new node on the worker W where the
 scheduler recomputed the dead node's input. In split trees every NIC is full, so
 W then carries twice its load each way, and every tree through W runs at half
 rate until the end. Here instead, when node ``v`` dies and its parent ``p`` has

@@ -57,7 +57,8 @@ class ReduceSpec:
     #: mean): reduce this entry of each.
     field: str | None = None
     #: Reduce only segment ``i`` of ``m`` equal parts of the flattened inputs
-    #: (a segmented allreduce); ``shape`` stays the inputs' full shape.
+    #: (a segmented allreduce, or a reduce in parts: ``split_tree_specs``);
+    #: ``shape`` stays the inputs' full shape.
     segment: tuple[int, int] | None = None
 
     def to_msg(self) -> dict[str, Any]:

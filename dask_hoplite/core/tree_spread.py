@@ -1,7 +1,7 @@
 """Spreading a dead node of a running reduce tree over the live ones: the
 decisions, sans-IO.
 
-By default a running tree is repaired by *replacing* a dead node
+One running tree is repaired by default by *replacing* a dead node
 (:mod:`dask_hoplite.core.tree_repair`): a new node for its input starts on the
 worker W where Dask recomputed that input, and the dead node's children and
 parent stream to it. In split trees (``reduce(..., parts=k)``) every NIC is
@@ -28,8 +28,8 @@ The bytes before ``b`` need nothing: they reached ``p`` through ``v``.
 their bytes, which only they know), :meth:`SpreadPlan.patches` turns those
 bytes into the patches ``p`` reads, and :meth:`LiveTree.apply` records the
 new shape. No IO: the root's worker carries the decisions out
-(:mod:`dask_hoplite.worker.tree_spreader`, with ``hoplite.reduce.repair:
-spread``), and the simulator (``benchmarks/simulator/spread_repair.py``)
+(:mod:`dask_hoplite.worker.tree_spreader`: in a reduce in parts by default,
+or everywhere with ``hoplite.reduce.repair: spread``), and the simulator (``benchmarks/simulator/spread_repair.py``)
 drives them too.
 """
 

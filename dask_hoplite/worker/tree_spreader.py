@@ -1,5 +1,5 @@
 """The root's side of spreading a dead node of a running reduce tree
-(``hoplite.reduce.repair: spread``): the IO around
+(``hoplite.reduce.repair``: by default in a reduce in parts): the IO around
 :mod:`dask_hoplite.core.tree_spread`.
 
 :class:`TreeSpreader` plans a spread from what the root knows (the shapes of
