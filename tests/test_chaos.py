@@ -1,5 +1,6 @@
 """Chaos: a random worker process is SIGKILLed (or SIGSTOPped for a while) at
-a random moment of a broadcast, a reduce or an allreduce, over and over, on a
+a random moment of a broadcast, a reduce (whole, or in 2 parts: split trees,
+whose dead nodes are spread by default) or an allreduce, over and over, on a
 multi-process cluster whose nannies restart killed workers. Every result is
 compared to numpy; nothing may hang; afterwards no directory entry and no
 buffer is left.
@@ -266,6 +267,8 @@ def collective(client: Client, kind: str, sig: int, rng: random.Random) -> bool 
         t = strike(pids[victim], sig, after)
         if kind == "reduce":
             outs = [dh.reduce(inputs, "sum")]
+        elif kind == "reduce-parts":  # split trees: a dead node is spread by default
+            outs = [dh.reduce(inputs, "sum", parts=2)]
         else:
             outs = dh.allreduce(inputs, "sum")
         finish(outs, kind)
@@ -349,12 +352,14 @@ def chaos(client: Client, kind: str, runs: list[int], rng: random.Random) -> Non
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("kind", ["broadcast", "reduce", "allreduce", "reduce-pending"])
+@pytest.mark.parametrize(
+    "kind", ["broadcast", "reduce", "reduce-parts", "allreduce", "reduce-pending"]
+)
 def test_chaos_kill(client, kind):
     chaos(client, kind, [signal.SIGKILL] * KILLS, random.Random(f"hoplite-{kind}"))
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("kind", ["broadcast", "reduce", "allreduce"])
+@pytest.mark.parametrize("kind", ["broadcast", "reduce", "reduce-parts", "allreduce"])
 def test_chaos_stop(client, kind):
     chaos(client, kind, [signal.SIGSTOP] * STOPS, random.Random(f"hoplite-stop-{kind}"))
