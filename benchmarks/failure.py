@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
+from dask_hoplite.config import REDUCE_REPAIRS, resolve_repair  # noqa: E402
 
 SCENARIOS = ("broadcast-relay", "broadcast-source", "reduce", "broadcast-retire", "reduce-parts")
 METHODS = ("hoplite", "dask")
@@ -193,12 +194,10 @@ def victim_of(scenario: str) -> str:
 
 def _repair_used(scenario: str, method: str, setting: str) -> str:
     """The repair a reduce scenario ran with under ``hoplite.reduce.repair``
-    ``setting`` (auto: spread in parts, replace in one tree); "" where none."""
+    ``setting``; "" where none."""
     if method != "hoplite" or not scenario.startswith("reduce"):
         return ""
-    if setting != "auto":
-        return setting
-    return "spread" if scenario == "reduce-parts" else "replace"
+    return resolve_repair(setting, in_parts=scenario == "reduce-parts")
 
 
 def run_one(
@@ -331,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "--repairs",
         nargs="+",
         default=["auto"],
-        choices=["auto", "replace", "spread"],
+        choices=REDUCE_REPAIRS,
         help="hoplite.reduce.repair for the reduce scenarios, each in turn (auto, the "
         "default: spread in a reduce in parts, replace in one tree)",
     )

@@ -41,6 +41,7 @@ from benchmarks.simulator.broadcast import Outcome, dask_broadcast, hoplite_broa
 from benchmarks.simulator.params import Cluster, Overheads, address  # noqa: E402
 from benchmarks.simulator.reduce import HopliteReduce, SplitReduce, dask_reduce  # noqa: E402
 from benchmarks.simulator.spread_repair import SpreadReduce  # noqa: E402
+from dask_hoplite.config import REDUCE_REPAIRS, resolve_repair  # noqa: E402
 
 #: One simulated run: (arrivals, failures) -> outcome.
 Run = Callable[[Mapping[str, float] | None, Mapping[str, float] | None], Outcome]
@@ -200,10 +201,7 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
             root = plan.host_of_node_before_start(plan.tree.root)
         else:
             root = workers[0]  # SplitReduce roots every segment's tree there
-        # auto, as hoplite.reduce.repair: spread in parts, replace in one tree
-        resolved = [
-            r if r != "auto" else "spread" if parts > 1 else "replace" for r in args.reduce_repair
-        ]
+        resolved = [resolve_repair(r, in_parts=parts > 1) for r in args.reduce_repair]
         for repair in dict.fromkeys(resolved):  # each repair once, in order
             run: Run = partial(_reduce, cluster, n, size, parts, args.seed, repair, args.recompute)
             method = "hoplite" if parts == 1 else f"hoplite-parts{parts}"
@@ -300,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--reduce-repair",
         nargs="+",
-        choices=["auto", *sorted(REPAIRS)],
+        choices=REDUCE_REPAIRS,
         default=["auto"],
         help="how a dead reduce node is repaired, as hoplite.reduce.repair: 'replace' (a "
         "node for its input), 'spread' (benchmarks/simulator/spread_repair.py), 'auto' "

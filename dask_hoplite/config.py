@@ -23,6 +23,21 @@ with open(_DEFAULTS_PATH) as f:
 dask.config.update_defaults(_defaults)
 
 
+#: The values of ``hoplite.reduce.repair``.
+REDUCE_REPAIRS = ("auto", "replace", "spread")
+
+
+def resolve_repair(setting: str, in_parts: bool) -> str:
+    """The repair (``"replace"`` or ``"spread"``) a running tree uses under
+    ``hoplite.reduce.repair`` ``setting``; ``in_parts``: the tree is one
+    segment's of a reduce in parts. ``auto`` spreads there (split trees fill
+    every NIC, so a replacement node would double its worker's load) and
+    replaces in one tree. The benchmarks resolve their settings here too."""
+    if setting != "auto":
+        return setting
+    return "spread" if in_parts else "replace"
+
+
 def _get(key: str) -> Any:
     """``hoplite.<key>`` from dask.config, falling back to the shipped default
     (a test harness or an application may reset dask.config wholesale)."""
@@ -120,7 +135,7 @@ class HopliteConfig:
         if reduce_parts < 1:
             raise ValueError(f"hoplite.reduce.parts must be >= 1, got {reduce_parts}")
         repair = str(_get("reduce.repair"))
-        if repair not in ("auto", "replace", "spread"):
+        if repair not in REDUCE_REPAIRS:
             raise ValueError(
                 f"hoplite.reduce.repair must be 'auto', 'replace' or 'spread', got {repair!r}"
             )
@@ -159,13 +174,9 @@ class HopliteConfig:
         )
 
     def repair_for(self, in_parts: bool) -> str:
-        """How a running tree repairs its dead nodes: ``"replace"`` or
-        ``"spread"``; ``in_parts``: the tree is one segment's of a reduce in
-        parts (split trees fill every NIC, so a replacement node would double
-        its worker's load; ``hoplite.reduce.repair: auto`` spreads there)."""
-        if self.reduce_repair != "auto":
-            return self.reduce_repair
-        return "spread" if in_parts else "replace"
+        """How a running tree repairs its dead nodes: :func:`resolve_repair`
+        of this configuration's ``hoplite.reduce.repair``."""
+        return resolve_repair(self.reduce_repair, in_parts)
 
     def block_size_for(self, nbytes: int) -> int:
         """Block size for an object of ``nbytes``: at least ``min_blocks`` blocks,

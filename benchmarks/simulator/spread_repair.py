@@ -2,10 +2,10 @@
 parts), modelled: a dead node is not replaced, it is *spread*.
 
 :class:`~benchmarks.simulator.reduce.HopliteReduce` models the other repair,
-the real code's in one tree (``worker/reduce_root.py``): a new node on the worker W where the
-scheduler recomputed the dead node's input. In split trees every NIC is full, so
-W then carries twice its load each way, and every tree through W runs at half
-rate until the end. Here instead, when node ``v`` dies and its parent ``p`` has
+the real code's in one tree (``worker/reduce_root.py``): a new node on the
+worker W where the scheduler recomputed the dead node's input. In split trees
+every NIC is full, so W then carries twice its load each way, and every tree
+through W runs at half rate until the end. Here instead, when node ``v`` dies and its parent ``p`` has
 its stream up to byte ``b``:
 
 - W's own node adds the recomputed input into the stream it already sends, from

@@ -29,8 +29,8 @@ their bytes, which only they know), :meth:`SpreadPlan.patches` turns those
 bytes into the patches ``p`` reads, and :meth:`LiveTree.apply` records the
 new shape. No IO: the root's worker carries the decisions out
 (:mod:`dask_hoplite.worker.tree_spreader`: in a reduce in parts by default,
-or everywhere with ``hoplite.reduce.repair: spread``), and the simulator (``benchmarks/simulator/spread_repair.py``)
-drives them too.
+or everywhere with ``hoplite.reduce.repair: spread``), and the simulator
+(``benchmarks/simulator/spread_repair.py``) drives them too.
 """
 
 from __future__ import annotations
