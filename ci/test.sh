@@ -1,12 +1,30 @@
 #!/usr/bin/env bash
-# Install dask-hoplite with its test extras and run every check: lint, types,
-# the default test suite, the slow tests, the package (sdist and wheel built,
-# checked, the wheel installed in a fresh virtualenv running the demo) and the
-# docs (built with warnings as errors). Exits non-zero on any failure.
+# Install dask-hoplite with its test extras into a fresh virtualenv and run
+# every check there: lint, types, the default test suite, the slow tests, the
+# package (sdist and wheel built, checked, the wheel installed in a fresh
+# virtualenv running the demo), README's demo command (ci/demo.sh) and the docs
+# (built with warnings as errors). Exits non-zero on any failure.
 # README's test command and CI (.ci/run) both run exactly this.
+#
+# The virtualenv is made anew on every run from $PYTHON (default python3), so
+# the suite sees only what the project declares, whatever the machine had
+# before. It lives in a temporary folder, removed at exit; set
+# HOPLITE_CI_VENV=DIR to keep it there instead (DIR is emptied first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+BASE_PY=${PYTHON:-python3}
+if [ -n "${HOPLITE_CI_VENV:-}" ]; then
+    venv=$HOPLITE_CI_VENV
+else
+    venv=$(mktemp -d)/venv
+    trap 'rm -rf "$(dirname "$venv")"' EXIT
+fi
+echo "== fresh virtualenv in $venv (from $("$BASE_PY" -c 'import sys; print(sys.executable)'))"
+rm -rf "$venv"
+"$BASE_PY" -m venv "$venv"
+PY=$venv/bin/python
+# ci/package.sh, ci/demo.sh and ci/docs.sh run with this interpreter too.
+export PYTHON=$PY
 # The /hoplite page is tested in Debian's headless chromium (with chromedriver).
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -32,4 +50,5 @@ set -e
 # pytest exits 5 when no test carries the mark; that is not a failure.
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
 bash ci/package.sh
+bash ci/demo.sh
 bash ci/docs.sh

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import pathlib
+import re
 import sys
 
 import pytest
+import suite_imports
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -72,3 +75,75 @@ def test_the_version_is_defined_once():
     assert "version" not in PROJECT and "version" in PROJECT["dynamic"]
     # The installed distribution took its version from the package.
     assert importlib.metadata.version("dask-hoplite") == dask_hoplite.__version__
+
+
+#: Benchmarks that run a peer framework, each with the extra that declares it.
+#: The suite reads their tables (``benchmarks/peers.py``) but never runs them.
+PEER_SCRIPTS = {
+    "benchmarks/mpi_peers.py": "mpi",
+    "benchmarks/ray_peer.py": "peers",
+    "benchmarks/gloo_peer.py": "peers",
+}
+
+
+def _import_names(requirement_lines):
+    """The top-level import names of the distributions required."""
+    provides: dict[str, set[str]] = {}
+    for top, dists in importlib.metadata.packages_distributions().items():
+        for dist in dists:
+            provides.setdefault(_normalise(dist), set()).add(top)
+    names = set()
+    for line in requirement_lines:
+        dist = _normalise(Requirement(line).name)
+        names |= provides.get(dist) or {IMPORT_NAME.get(dist, dist.replace("-", "_"))}
+    return names
+
+
+def _normalise(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _undeclared(root: pathlib.Path, project: dict) -> list[str]:
+    extras = project["optional-dependencies"]
+    suite = _import_names([*project["dependencies"], *extras["test"]])
+    out = []
+    for use in suite_imports.third_party(str(root)):
+        extra = PEER_SCRIPTS.get(use.path.replace(os.sep, "/"))
+        declared = suite | _import_names(extras[extra]) if extra else suite
+        if use.top not in declared:
+            where = f"the {extra!r} or 'test' extra" if extra else "the 'test' extra"
+            out.append(f"{use.path}:{use.line} imports {use.top!r}, not declared in {where}")
+    return sorted(set(out))
+
+
+def test_every_module_the_suite_imports_is_declared_in_the_test_extra():
+    """The suite runs in a fresh virtualenv with ``.[test]`` only (ci/test.sh):
+    a module that a test, the package, or an example or benchmark the tests
+    import or run needs must come with that extra, not from whatever the
+    machine had before."""
+    assert _undeclared(ROOT, PROJECT) == []
+
+
+def test_an_undeclared_import_in_a_script_the_suite_runs_is_reported(tmp_path):
+    """The check above can fail: a script a test runs by name, importing a
+    module nobody declared, and a test skipping on another."""
+    for folder in ("tests", "examples", "benchmarks", "dask_hoplite"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "dask_hoplite" / "__init__.py").write_text("import numpy\n")
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    (tmp_path / "examples" / "plot.py").write_text("def f():\n    import matplotlib\n")
+    (tmp_path / "examples" / "lonely.py").write_text("import also_not_reached\n")
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "import pytest\n"
+        "from benchmarks import unused as _\n"
+        "RUN = ['python', 'plot.py']\n"
+        "def test():\n    pytest.importorskip('selenium')\n"
+    )
+    (tmp_path / "benchmarks" / "unused.py").write_text("import json\n")
+    project = {"dependencies": ["numpy"], "optional-dependencies": {"test": ["pytest"]}}
+    assert _undeclared(tmp_path, project) == [
+        "examples/plot.py:2 imports 'matplotlib', not declared in the 'test' extra",
+        "tests/test_x.py:5 imports 'selenium', not declared in the 'test' extra",
+    ]
+    project["optional-dependencies"]["test"] += ["matplotlib", "selenium"]
+    assert _undeclared(tmp_path, project) == []
