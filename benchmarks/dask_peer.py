@@ -2,7 +2,7 @@
 ``dask_hoplite`` on futures, with the plugin registered (``hoplite``) and
 without it (``dask``: every call then runs the way Dask alone does it, a
 reduction is one task on the first input's worker and copies are tasks that
-depend on it; see ``dask_hoplite/collectives.py``).
+depend on it; see ``dask_hoplite/collectives/allreduce_tasks.py``).
 
 One Dask cluster per system: a scheduler on the ``sched`` host, one worker
 process (one thread) per worker host, the client in this process (which must

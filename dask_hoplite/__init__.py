@@ -24,8 +24,8 @@ from dask_hoplite.collectives import (
     reduce,
     reduced_inputs,
 )
-from dask_hoplite.scheduler import Hoplite
-from dask_hoplite.worker import HopliteWorker
+from dask_hoplite.scheduler.plugin import Hoplite
+from dask_hoplite.worker.plugin import HopliteWorker
 
 if TYPE_CHECKING:
     from distributed import Scheduler

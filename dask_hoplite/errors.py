@@ -34,8 +34,47 @@ class ReduceInputError(ValueError):
 
 
 class ReduceInputLost(RuntimeError):
-    """An input of a reduction failed or was released before it was ready, and
-    the reduction cannot get the ``k`` inputs it needs without it."""
+    """An input of a reduction failed, was released before it was ready, or has
+    no holder left that can serve it, and the reduction cannot get the ``k``
+    inputs it needs without it. Raised the same way whichever path planned the
+    reduction (the planning task, an allreduce, a tree waiting for holders)."""
+
+
+class NotRegistered(RuntimeError):
+    """dask-hoplite's worker part is not running on a worker that a
+    collective needs: ``client.register_plugin(dask_hoplite.Hoplite())`` (or
+    ``--preload dask_hoplite``) was not done, or failed there."""
+
+    @classmethod
+    def on_worker(cls, address: str) -> NotRegistered:
+        return cls(
+            f"dask-hoplite's worker part is not installed on {address}: "
+            "register dask_hoplite.Hoplite() first"
+        )
+
+
+class WorkerPartFailed(RuntimeError):
+    """The scheduler part could not start dask-hoplite's worker part on some
+    workers; the message names each and its error."""
+
+
+class TransferFailed(RuntimeError):
+    """A hoplite stream of a key could not go on: the copy it reads from
+    failed or stopped, or no sender could be found. A fetch that meets it
+    resumes from another holder or falls back to Dask's own transfer."""
+
+
+class CollectiveAborted(RuntimeError):
+    """A collective (or one stream, node or copy of it) was cancelled or
+    aborted before it gave its result. The buffers it was writing fail with
+    this error, so that their readers stop too."""
+
+
+class BufferStateError(RuntimeError):
+    """An operation on an object buffer that its state does not allow (a write
+    to a buffer that is not receiving, a read of one that is not complete).
+    Internal: the callers check the state first, so one reaching a user is a
+    bug to report."""
 
 
 class NodeFailed(RuntimeError):
@@ -49,6 +88,11 @@ class NodeFailed(RuntimeError):
         self.unreachable = unreachable
 
 
+class SpreadRefused(ValueError):
+    """A dead node of a reduce tree that cannot be spread over its live
+    neighbours (the tree is restarted instead). Internal to tree repair."""
+
+
 class VersionMismatch(RuntimeError):
     """The worker's dask-hoplite differs from the scheduler's."""
 
@@ -56,6 +100,15 @@ class VersionMismatch(RuntimeError):
 class UnsupportedDistributed(RuntimeError):
     """The installed ``distributed`` is outside the tested range, or one of the
     private internals dask-hoplite overrides changed (see :mod:`dask_hoplite.compat`)."""
+
+
+def as_exception(error: BaseException) -> Exception:
+    """What a buffer fails with when its writer ended with ``error``: the
+    error itself, or for a cancellation (not an :class:`Exception`) a
+    :class:`CollectiveAborted` saying so."""
+    if isinstance(error, Exception):
+        return error
+    return CollectiveAborted(f"{type(error).__name__}: {error}".rstrip(": "))
 
 
 def node_reply(error: BaseException | str) -> dict[str, Any]:

@@ -11,6 +11,22 @@ from distributed import Client, LocalCluster
 import dask_hoplite as dh
 from dask_hoplite.compat import worker_addresses
 
+#: How many of the largest modules, classes and functions the run lists.
+LARGEST_ROOMS = 5
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The largest rooms of the house, at the end of every run: not a limit
+    (a long module with one job is fine), a hint of where a seam may be."""
+    from module_imports import modules, spans
+
+    found = [sp for mod, path in modules().items() for sp in spans(path, mod)]
+    terminalreporter.section("largest rooms (lines)")
+    for kind, label in (("module", "modules"), ("class", "classes"), ("function", "functions")):
+        top = sorted((sp for sp in found if sp.kind == kind), key=lambda sp: -sp.lines)
+        rooms = ", ".join(f"{sp.name} {sp.lines}" for sp in top[:LARGEST_ROOMS])
+        terminalreporter.write_line(f"{label}: {rooms}")
+
 
 @contextlib.contextmanager
 def three_workers(config: dict | None = None):

@@ -64,17 +64,27 @@ def internal_target(name: str, known: dict[str, str]) -> str | None:
 
 
 def import_graph(known: dict[str, str] | None = None) -> dict[str, set[str]]:
-    """module -> the dask_hoplite modules it imports explicitly."""
+    """module -> the dask_hoplite modules importing it runs: the ones it
+    names, and the packages they are in (Python runs a package's
+    ``__init__`` before any module of it), but for its own packages, which
+    are running already when it is imported."""
     known = known or modules()
     graph: dict[str, set[str]] = {}
     for mod, path in known.items():
+        own = _ancestors(mod) | {mod}
         targets = set()
         for imp in imports(path, mod, path.endswith("__init__.py")):
             t = internal_target(imp.module, known)
             if t is not None and t != mod:
                 targets.add(t)
+                targets |= {p for p in _ancestors(t) if p in known and p not in own}
         graph[mod] = targets
     return graph
+
+
+def _ancestors(module: str) -> set[str]:
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

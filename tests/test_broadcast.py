@@ -388,7 +388,8 @@ async def test_a_broadcast_with_bad_parts_names_the_argument(c, s, a, b):
 )
 async def test_a_reduce_in_parts_runs_one_tree_per_segment(c, s, *workers):
     import dask_hoplite as dh
-    from dask_hoplite.collectives import _INPUTS_ATTR
+    from dask_hoplite.collectives.futures import INPUTS_ATTR
+    from dask_hoplite.core.reduce_plan import SplitTrees, plan_from_msg
 
     await c.register_plugin(Hoplite())
     xs = [
@@ -400,10 +401,10 @@ async def test_a_reduce_in_parts_runs_one_tree_per_segment(c, s, *workers):
     result = await asyncio.to_thread(dh.reduce, xs, "sum", None, to, 3)
     got = await result
     np.testing.assert_array_equal(got, np.full(100_003, float(sum(range(1, 8)))))
-    plan = await getattr(result, _INPUTS_ATTR)
-    assert plan["mode"] == "split" and plan["root"] == to and len(plan["specs"]) == 3
-    for spec in plan["specs"]:
-        fan_in = Counter(p for p in spec["parent"] if p is not None)
+    plan = plan_from_msg(await getattr(result, INPUTS_ATTR))
+    assert isinstance(plan, SplitTrees) and plan.root == to and len(plan.specs) == 3
+    for spec in plan.specs:
+        fan_in = Counter(p for p in spec.parent if p is not None)
         assert max(fan_in.values()) <= 3  # no node takes more than the object in
         assert len(fan_in) >= 2  # a tree, not a star into the root
     who = await c.scheduler.who_has(keys=[result.key])
@@ -411,7 +412,8 @@ async def test_a_reduce_in_parts_runs_one_tree_per_segment(c, s, *workers):
     # The /hoplite page and /metrics see one reduction (not one per segment)
     # of the whole object, its time against the whole object's S/B.
     log = s.plugins["hoplite"].collectives
-    rid = plan["specs"][0]["rid"].rsplit("-s", 1)[0]
+    rid = plan.rid
+    assert all(spec.reduction_rid == rid for spec in plan.specs)
     while not (rows := [r for r in log.recent if r.get("rid") == rid]):
         await asyncio.sleep(0.01)  # the root's report comes on the batched stream
     await asyncio.sleep(0.1)  # (and no other report of this reduction after it)

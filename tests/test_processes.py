@@ -179,11 +179,23 @@ def test_sum_of_eight_256_mib_chunks_on_eight_workers():
 
 async def _allreduce_rooted_at_first(c, futures):
     """dh.allreduce's small path with the root on the first input's worker."""
-    from dask_hoplite.collectives import _allreduce_small, _locate
+    import uuid
+
+    from dask_hoplite.collectives.allreduce_tasks import _allreduce_small, _locate
+    from dask_hoplite.core.reduce_plan import OneTask
 
     keys = [f.key for f in futures]
     who_has, _, _ = await _locate(c, keys)
-    return _allreduce_small(c, futures, keys, "sum", [who_has[k][0] for k in keys])
+    held_by = [who_has[k][0] for k in keys]
+    plan = OneTask(
+        rid=uuid.uuid4().hex,
+        op="sum",
+        chosen=tuple(keys),
+        spares=(),
+        worker=held_by[0],
+        copies=tuple(sorted(set(held_by) - {held_by[0]})),
+    )
+    return _allreduce_small(c, futures, plan)
 
 
 def _counter(dask_worker, name):

@@ -1,17 +1,41 @@
-"""The plan of a reduction submitted at once (pure: no cluster)."""
+"""Every reduction's plan, from the one planner (pure: no cluster), and the
+paths that ask it (a real in-process cluster)."""
 
 from __future__ import annotations
 
+import logging
+
+import dask.array as da
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dask_hoplite as dh
 from dask_hoplite.core.network_model import NetworkEstimate
-from dask_hoplite.core.reduce_plan import plan_reduction
-from dask_hoplite.core.reduce_spec import ReduceSpec
+from dask_hoplite.core.reduce_plan import (
+    AllreduceTree,
+    OneTask,
+    PlanRequest,
+    SegmentedAllreduce,
+    SplitTrees,
+    Tree,
+    is_small,
+    plan_from_msg,
+    plan_reduction,
+)
+from dask_hoplite.errors import ReduceInputLost
 
 NET = NetworkEstimate(bandwidth=125e6, latency=1e-3, measured=True)
 WORKERS = [f"tcp://10.0.0.{i}:1" for i in range(6)]
+MIN = 2**20
+
+
+def request(keys, k=None, **kw):
+    return PlanRequest(
+        rid="r", op="sum", inputs=tuple(keys), k=k or len(keys), min_bytes=MIN, block_bytes=2**16,
+        **kw,
+    )
 
 
 @st.composite
@@ -26,35 +50,101 @@ def reductions(draw):
     chosen = draw(st.permutations(keys))[:k]
     to = draw(st.one_of(st.none(), st.sampled_from(WORKERS)))
     size = draw(st.sampled_from([10, 2**20, 256 * 2**20]))
-    return keys, chosen, who_has, to, size
+    parts = draw(st.sampled_from([1, 4]))
+    allreduce = draw(st.booleans())
+    return keys, chosen, who_has, to, size, parts, allreduce
 
 
 @settings(max_examples=300, deadline=None)
 @given(reductions())
 def test_a_plan_reduces_exactly_the_chosen_inputs_on_the_worker_asked_for(case):
-    keys, chosen, who_has, to, size = case
+    keys, chosen, who_has, to, size, parts, allreduce = case
+    to = None if allreduce else to
+    req = request(keys, len(chosen), to=to, parts=parts, allreduce=allreduce)
+    plan = plan_reduction(req, chosen, who_has, dict.fromkeys(keys, size), NET)
     spares = [k for k in keys if k not in chosen]
-    plan = plan_reduction(
-        "r", "sum", chosen, spares, who_has, dict.fromkeys(keys, size), NET, 2**20, 2**16, to
-    )
-    assert plan["chosen"] == chosen and plan["spares"] == spares
+    assert list(plan.chosen) == chosen and list(plan.spares) == spares
+    assert plan_from_msg(plan.to_msg()) == plan
     if to is not None:
-        assert plan["root"] == to  # the result is where the caller asked
-    if size < 2**20:
-        assert plan["mode"] == "values"
+        assert plan.root == to  # the result is where the caller asked
+    if is_small(size, MIN):
+        assert isinstance(plan, OneTask)
+        assert plan.copies == (tuple(sorted({sorted(who_has[c])[0] for c in chosen} - {plan.root}))
+                               if allreduce else ())
         return
-    spec = ReduceSpec.from_msg(plan["spec"])
-    assert sorted(spec.inputs) == sorted(chosen)
-    assert spec.addresses[spec.root] == plan["root"]
-    for slot, key in enumerate(spec.inputs):
-        if slot != spec.root:
-            assert spec.addresses[slot] in who_has[key]  # every other input streams from a holder
-    holders_of_to = [key for key in chosen if to in who_has[key]]
-    if to is None or holders_of_to:
-        # the root's input is local to the root: nothing is fetched first
-        assert plan["root"] in who_has[spec.inputs[spec.root]]
+    specs = (
+        list(plan.specs) if isinstance(plan, (SplitTrees, SegmentedAllreduce)) else [plan.spec]
+    )
+    assert isinstance(plan, (SegmentedAllreduce, AllreduceTree) if allreduce else (Tree, SplitTrees))
+    for spec in specs:
+        assert sorted(spec.inputs) == sorted(chosen)
+        for slot, key in enumerate(spec.inputs):
+            if spec.addresses[slot] != to:
+                assert spec.addresses[slot] in who_has[key]  # inputs stream from a holder
+    if isinstance(plan, Tree):
+        spec = plan.spec
+        assert spec.addresses[spec.root] == plan.root
+        if to is None or any(to in who_has[key] for key in chosen):
+            # the root's input is local to the root: nothing is fetched first
+            assert plan.root in who_has[spec.inputs[spec.root]]
 
 
 def test_an_input_without_a_holder_is_named():
-    with pytest.raises(ValueError, match="'x-1' has no holder"):
-        plan_reduction("r", "sum", ["x-0", "x-1"], [], {"x-0": WORKERS[:1]}, {}, NET, 0, 1)
+    with pytest.raises(ReduceInputLost, match="'x-1' of the reduction has no holder"):
+        plan_reduction(request(["x-0", "x-1"]), ["x-0", "x-1"], {"x-0": WORKERS[:1]}, {}, NET)
+
+
+def test_the_shape_follows_the_size_the_workers_and_the_call():
+    keys = [f"x-{i}" for i in range(4)]
+    who_has = {k: [WORKERS[i]] for i, k in enumerate(keys)}
+    big, small = dict.fromkeys(keys, 64 * MIN), dict.fromkeys(keys, 10)
+
+    def plan(nbytes, net=NET, **kw):
+        return plan_reduction(request(keys, **kw), keys, who_has, nbytes, net)
+
+    assert isinstance(plan(small), OneTask) and plan(small).registered
+    assert isinstance(plan(big), Tree)
+    assert isinstance(plan(big, parts=4), SplitTrees) and len(plan(big, parts=4).specs) == 4
+    assert isinstance(plan(big, allreduce=True), SegmentedAllreduce)
+    assert isinstance(plan(big, allreduce=True, segment_min_bytes=2**40), AllreduceTree)
+    alone = plan(big, net=None, allreduce=True)  # dask-hoplite not on the cluster
+    assert isinstance(alone, OneTask) and not alone.registered
+    assert alone.copies == tuple(WORKERS[1:4])
+
+
+def test_dict_inputs_are_reduced_leaf_by_leaf():
+    keys = ["a", "b", "c"]
+    who_has = {k: [WORKERS[i]] for i, k in enumerate(keys)}
+    plan = plan_reduction(
+        request(keys, leaves=("s", "n")), keys, who_has, dict.fromkeys(keys, MIN), NET
+    )
+    assert isinstance(plan, Tree)
+    specs = plan.leaf_specs()
+    assert [s.field for s in specs] == ["s", "n"] and len({s.rid for s in specs}) == 2
+    assert {s.parent for s in specs} == {plan.spec.parent}
+    assert plan_from_msg(plan.to_msg()) == plan
+
+
+def test_a_message_of_no_plan_is_refused():
+    with pytest.raises(ValueError, match="not a reduction plan"):
+        plan_from_msg({"type": "shuffle"})
+
+
+def test_every_path_gets_its_plan_from_the_planner(cluster_client, caplog):
+    """reduce (a tree, and small objects in one task), allreduce and a
+    dask.array aggregate: each is planned by ``plan_reduction``, which says
+    so in its debug log."""
+    c = cluster_client
+    caplog.set_level(logging.DEBUG, logger="dask_hoplite.core.reduce_plan")
+    big = [c.submit(np.full, 4096, float(i), pure=False) for i in range(3)]  # 32 KiB each
+    small = [c.submit(np.full, 4, float(i), pure=False) for i in range(3)]
+    assert dh.reduce(big).result().tolist() == [3.0] * 4096
+    assert dh.reduce(small).result().tolist() == [3.0] * 4
+    assert all(f.result().tolist() == [3.0] * 4096 for f in dh.allreduce(big))
+    x = da.ones((3 * 64, 1024), chunks=(64, 1024))  # three 512 KiB parts
+    assert x.sum(axis=0).compute().tolist() == [192.0] * 1024
+    planned = [r.getMessage() for r in caplog.records if r.name.endswith("reduce_plan")]
+    kinds = [m.split(": ")[1].split(" of")[0] for m in planned]
+    assert kinds.count("one-task") == 1, planned
+    assert kinds.count("tree") == 2, planned  # reduce, and the array's aggregate
+    assert sum(k in ("allreduce-tree", "segmented-allreduce") for k in kinds) == 1, planned

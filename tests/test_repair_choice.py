@@ -8,6 +8,7 @@ from distributed.utils_test import gen_cluster
 
 from dask_hoplite import Hoplite
 from dask_hoplite.core.reduce_spec import ReduceSpec
+from dask_hoplite.core.tree_repair import Refuse, RepairAsked
 from dask_hoplite.worker.reduce_root import TreeRoot
 
 
@@ -44,6 +45,9 @@ def test_a_tree_root_spreads_as_configured(repair, segment, copies, spreads):
         parts = a.plugins["hoplite-worker"].parts
         assert parts.ctx.config.reduce_repair == repair
         root = TreeRoot(parts.ctx, parts.reductions, parts.nodes, _spec(segment, copies))
-        assert (root.spreader is not None) is spreads
+        [first] = root.repair.handle(RepairAsked(1, 0, "tcp://w1"))
+        repaired = not isinstance(first, Refuse)  # an allreduce's trees never are
+        assert repaired is not bool(copies)
+        assert (repaired and root.repair.mode == "spread") is spreads
 
     check()

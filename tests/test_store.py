@@ -19,6 +19,7 @@ from dask_hoplite.core.store import (
     LayoutChanged,
     ObjectBuffer,
 )
+from dask_hoplite.errors import BufferStateError, TransferFailed
 
 
 def test_layout_blocks_never_span_frames():
@@ -64,7 +65,7 @@ def test_fail_wakes_everyone_and_rejects_writes():
     buf.when(5, lambda b: seen.append(b.state))
     buf.fail(RuntimeError("peer died"))
     assert seen == [BufferState.FAILED]
-    with pytest.raises(RuntimeError, match="not receiving"):
+    with pytest.raises(BufferStateError, match="not receiving"):
         buf.write(0, b"x")
 
 
@@ -94,14 +95,14 @@ def test_interrupt_stops_readers_but_keeps_the_bytes_for_a_resume():
 def test_readers_of_an_interrupted_copy_fail_fast():
     import asyncio
 
-    from dask_hoplite.streams import wait_progress
+    from dask_hoplite.worker.streams import wait_progress
 
     async def main() -> None:
         buf = ObjectBuffer("k")
         buf.allocate(Layout({}, (10,)))
         buf.write(0, b"ab")
         buf.interrupt(KeyError("released"))
-        with pytest.raises(RuntimeError, match="stopped"):
+        with pytest.raises(TransferFailed, match="stopped"):
             await wait_progress(buf, 2, timeout=60)
         await wait_progress(buf, 1, timeout=60)  # bytes it has are still served
 
@@ -369,5 +370,5 @@ def test_a_served_buffer_swaps_its_bytes_for_readers_that_come_later():
         buf.swap_bytes(np.zeros(10, dtype=np.uint8))
     filling = ObjectBuffer("f")
     filling.allocate(buf.layout)
-    with pytest.raises(RuntimeError, match="not complete"):
+    with pytest.raises(BufferStateError, match="not complete"):
         filling.swap_bytes(new)

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_hoplite.core.planner import plan_reduce_tree
-from dask_hoplite.core.tree_spread import LiveTree, Patch, SpreadRefused, worker_load
+from dask_hoplite.core.tree_spread import LiveTree, Patch, worker_load
+from dask_hoplite.errors import SpreadRefused
 
 
 def _small() -> LiveTree:

@@ -43,7 +43,17 @@ from dask_hoplite.core.planner import (
 )
 from dask_hoplite.core.reduce_plan import split_tree_specs
 from dask_hoplite.core.reduce_spec import ReduceSpec
-from dask_hoplite.core.tree_repair import TreeRepair
+from dask_hoplite.core.tree_repair import (
+    CheckNode,
+    Closed,
+    FindHolder,
+    HolderFound,
+    NodeChecked,
+    NodeLost,
+    RepairAsked,
+    Replace,
+    TreeRepair,
+)
 
 
 def ready_times(workers: list[str], arrivals: Mapping[str, float] | None) -> dict[str, float]:
@@ -183,7 +193,7 @@ class HopliteReduce:
         if not self.remaining:
             self.outcome.seconds = now
             assert self.repair is not None
-            self.repair.closed = True
+            self.repair.handle(Closed())
 
     def _kill(self, worker: str) -> list[Flow] | None:
         """``worker`` dies: its streams are cut (returned). None if that
@@ -198,25 +208,32 @@ class HopliteReduce:
     def _fail(self, worker: str, now: float) -> None:
         if self._kill(worker) is None:
             return
-        assert self.repair is not None
+        repair = self.repair
+        assert repair is not None
         for v in [v for v, h in enumerate(self.host) if h == worker]:
-            self.repair.node_died(v, now)
-            if self.repair.refusal(v) is not None:
-                self._restart(now)
+            # The root's call to the node breaks, its parent asks for a
+            # repair, and the root's call says the worker died.
+            lost = NodeLost(v, repair.generation.get(v, 0), unreachable=True, now=now)
+            decisions = repair.handle(lost)  # nothing: wait for the parent
+            if not decisions:
+                decisions = repair.handle(RepairAsked(v, offset=int(self.recv[v].pos), dead=worker))
+            if decisions and isinstance(decisions[0], CheckNode):
+                decisions = repair.handle(NodeChecked(v, failure=None))
+            if not (len(decisions) == 1 and isinstance(decisions[0], FindHolder)):
+                self._restart(now)  # refused, or the tree broke
                 return
-            self.repair.begin(v)
-            # The parent's request reaches the root; the input is recomputed.
+            # The input is recomputed.
             self.engine.at(
                 now + self.cluster.overheads.setup + self.recompute,
-                partial(self._replace, v, self.repair),
+                partial(self._replace, v, repair),
             )
 
     def _replace(self, v: int, repair: TreeRepair, now: float) -> None:
         if repair is not self.repair or repair.closed:
             return
-        new = self._surviving_worker()
-        repair.replaced(v, new)
-        self.host[v] = new
+        [replace] = repair.handle(HolderFound(v, self._surviving_worker(), load={}))
+        assert isinstance(replace, Replace), replace
+        self.host[v] = replace.address
         self.outcome.repairs += 1
         offset = self.recv[v].pos
         start = now + self.cluster.overheads.setup
@@ -235,7 +252,7 @@ class HopliteReduce:
     def _restart(self, now: float) -> None:
         """The tree broke beyond repair: every input located again, from byte 0."""
         assert self.repair is not None
-        self.repair.closed = True
+        self.repair.handle(Closed())
         self.outcome.seconds = 0.0
         for f in list(self.net.flows):
             self.net.remove(f)

@@ -44,7 +44,8 @@ from typing import Any
 
 from benchmarks.simulator.network import EPS, Buffer, Flow
 from benchmarks.simulator.reduce import HopliteReduce
-from dask_hoplite.core.tree_spread import LiveTree, SpreadRefused, worker_load
+from dask_hoplite.core.tree_spread import LiveTree, worker_load
+from dask_hoplite.errors import SpreadRefused
 
 
 class SpreadReduce(HopliteReduce):

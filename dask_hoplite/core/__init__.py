@@ -2,14 +2,23 @@
 events, returning decisions, with no sockets and no event loop inside.
 
 * :mod:`~dask_hoplite.core.directory`: who holds which key, who streams from whom;
+* :mod:`~dask_hoplite.core.hosts`: which host a worker runs on;
+* :mod:`~dask_hoplite.core.split_trees`: a split-tree broadcast's trees, one per part;
+* :mod:`~dask_hoplite.core.object_parts`: cutting an object into parts and joining them;
 * :mod:`~dask_hoplite.core.planner`: the shape of a reduce tree;
-* :mod:`~dask_hoplite.core.tree_repair`: a running tree's replacements of dead nodes;
+* :mod:`~dask_hoplite.core.reduce_plan`: how one reduction runs once its inputs are ready;
 * :mod:`~dask_hoplite.core.reduce_spec`: a reduce tree as data, and input checks;
 * :mod:`~dask_hoplite.core.reduce_ops`: the operators and their dtypes;
+* :mod:`~dask_hoplite.core.tree_repair`: a running tree's replacements of dead nodes;
+* :mod:`~dask_hoplite.core.tree_spread`: spreading a dead node over the live ones;
 * :mod:`~dask_hoplite.core.protocol`: the block-stream messages and flow-control window;
-* :mod:`~dask_hoplite.core.store`: the block store's buffers and memory pool;
+* :mod:`~dask_hoplite.core.store`: the block store's buffers;
+* :mod:`~dask_hoplite.core.buffer_pool`: recycled receive memory;
 * :mod:`~dask_hoplite.core.network_model`: bandwidth and latency estimates;
+* :mod:`~dask_hoplite.core.aggregates`: recognising dask.array/bag aggregate tasks;
 * :mod:`~dask_hoplite.core.graph_reduce`: the dask.array/bag aggregate rewrite.
+
+``tests/test_module_maps.py`` checks that this list names every module here.
 
 None of these modules imports asyncio, tornado or distributed, nor any
 dask_hoplite module outside this package except :mod:`dask_hoplite.errors`

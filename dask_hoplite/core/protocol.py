@@ -1,6 +1,6 @@
 """The block-stream protocol: its messages, their validation, and the sender's
 flow-control window. Pure: the coroutines that move these messages over
-``distributed.comm`` live in :mod:`dask_hoplite.streams`.
+``distributed.comm`` live in :mod:`dask_hoplite.worker.streams`.
 
 A stream, on one comm, after the receiver's request::
 

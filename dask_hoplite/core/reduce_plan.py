@@ -1,26 +1,42 @@
-"""How one reduction will run, decided once its inputs are ready. Pure: no
-I/O, no event loop.
+"""Every reduction's plan, from one planner. Pure: no I/O, no event loop.
 
-:func:`plan_reduction` turns what the scheduler says about the chosen inputs
-(who holds them, how big they are, how fast the network is) into a plan, a
-msgpack-able dict with ``mode``:
+:func:`plan_reduction` turns what a caller asked for (a :class:`PlanRequest`)
+and what the cluster says about the chosen inputs (who holds them, how big
+they are, how fast the network is) into a :class:`Plan`, one of:
 
-- ``"tree"``: a pipelined reduce tree (``spec``, a :class:`ReduceSpec`
-  message) rooted on ``root``, the worker holding the root's input;
-- ``"values"``: one task on ``root`` fetches the inputs and reduces them, as
-  Dask alone would (small objects, or dask-hoplite not registered: ``net``
-  is None).
+- :class:`OneTask`: one task on ``worker`` fetches the inputs and reduces
+  them, as Dask alone would: objects under ``hoplite.min-bytes`` (the
+  small-object rule, :func:`is_small`, decided here only), or a cluster
+  without dask-hoplite;
+- :class:`Tree`: one pipelined reduce tree (a :class:`ReduceSpec`) rooted on
+  the worker holding the root's input; inputs that are dicts of arrays are
+  reduced leaf by leaf (``leaves``), one tree per leaf;
+- :class:`SplitTrees`: a reduce in parts, each segment of the inputs up its
+  own tree, all rooted on one worker, which joins them;
+- :class:`AllreduceTree`: a reduce tree whose result streams down a chain
+  of copies while it is produced;
+- :class:`SegmentedAllreduce`: an allreduce as one reduce-then-broadcast
+  pipeline per segment, each rooted on another worker.
 
-``chosen`` lists the input keys the result contains and ``spares`` the ones
-that were not chosen (``k < n``), which a tree may take instead of a chosen
-input that is lost while it runs.
+Every caller gets its plan here: :func:`dask_hoplite.reduce`'s planning task
+(:mod:`dask_hoplite.worker.planned_reduce`), :func:`dask_hoplite.allreduce`,
+and the dask.array/bag aggregates taken over on a worker
+(:mod:`dask_hoplite.worker.aggregate`). The worker shells dispatch once, on
+the plan's type. A plan travels as a msgpack-able dict
+(:meth:`~_PlanBase.to_msg`, :func:`plan_from_msg`).
+
+Every plan lists the input keys the result contains (``chosen``) and the ones
+that were not chosen (``spares``, with ``k < n``), which a tree may take
+instead of a chosen input lost while it runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from dask.typing import Key
 
@@ -28,6 +44,269 @@ from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
 from dask_hoplite.core.reduce_spec import ReduceSpec, segment_rid
 from dask_hoplite.core.split_trees import split_tree_parents
+from dask_hoplite.errors import ReduceInputLost
+
+logger = logging.getLogger(__name__)
+
+
+def is_small(size: int, min_bytes: int) -> bool:
+    """Objects of ``size`` bytes are reduced in one task, as Dask would: a
+    tree costs more round trips than it saves bytes (``hoplite.min-bytes``)."""
+    return size < min_bytes
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a caller asks of the planner: the reduction's id and op, its
+    inputs (keys; a planning task gets this object as it is, so Dask does not
+    take them for dependencies), how many of them to reduce, and the caller's
+    settings at the call.
+
+    ``result``: the key of a reduction's result task (None where there is
+    none). ``to``: the worker the result must be on (None: the planner picks
+    the root). ``parts``: above 1, reduce that many segments, each up its own
+    tree. ``allreduce``: the result is wanted on every worker holding an
+    input. ``leaves``: the entries of dict inputs to reduce, each up its own
+    tree (``(None,)``: the inputs are arrays)."""
+
+    rid: str
+    op: str
+    inputs: tuple[Key, ...]
+    k: int
+    min_bytes: int
+    block_bytes: int
+    result: Key | None = None
+    to: str | None = None
+    parts: int = 1
+    allreduce: bool = False
+    segment_min_bytes: int = 0
+    leaves: tuple[str | None, ...] = (None,)
+
+    @property
+    def plan_key(self) -> str:
+        """The key of a reduction's planning task."""
+        return f"hoplite-plan-{self.op}-{self.rid}"
+
+
+@dataclass(frozen=True)
+class _PlanBase:
+    """What every plan holds; subclasses add how it runs."""
+
+    #: The ``type`` of the plan's message.
+    TAG: ClassVar[str] = ""
+
+    rid: str
+    op: str
+    chosen: tuple[Key, ...]
+    spares: tuple[Key, ...]
+
+    @property
+    def root(self) -> str:
+        """The worker the result is made on."""
+        raise NotImplementedError
+
+    def to_msg(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"type": self.TAG}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, ReduceSpec):
+                value = value.to_msg()
+            elif isinstance(value, tuple):
+                value = [v.to_msg() if isinstance(v, ReduceSpec) else v for v in value]
+            msg[f.name] = value
+        return msg
+
+    @classmethod
+    def _from_fields(cls, m: Mapping[str, Any]) -> Any:
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            value = m[f.name]
+            if f.name in ("spec",):
+                value = ReduceSpec.from_msg(value)
+            elif f.name == "specs":
+                value = tuple(ReduceSpec.from_msg(v) for v in value)
+            elif isinstance(value, list):
+                value = tuple(value)
+            kwargs[f.name] = value
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class OneTask(_PlanBase):
+    """One task on ``worker`` fetches the chosen inputs and reduces them.
+    ``copies``: for an allreduce, the other workers that get the result; with
+    ``registered`` they pull it from ``worker`` the moment it exists (the
+    worker part's ``hoplite_result``), else they are Dask tasks that depend
+    on it."""
+
+    TAG: ClassVar[str] = "one-task"
+
+    worker: str
+    copies: tuple[str, ...] = ()
+    registered: bool = True
+
+    @property
+    def root(self) -> str:
+        return self.worker
+
+
+@dataclass(frozen=True)
+class Tree(_PlanBase):
+    """One pipelined reduce tree; dict inputs are reduced leaf by leaf, one
+    tree per entry of ``leaves`` (:meth:`leaf_specs`)."""
+
+    TAG: ClassVar[str] = "tree"
+
+    spec: ReduceSpec
+    leaves: tuple[str | None, ...] = (None,)
+
+    @property
+    def root(self) -> str:
+        return self.spec.addresses[self.spec.root]
+
+    def leaf_specs(self) -> list[ReduceSpec]:
+        """One spec per leaf: the tree, reducing that entry of every input."""
+        if self.leaves == (None,):
+            return [self.spec]
+        return [
+            dataclasses.replace(self.spec, rid=f"{self.spec.rid}-{j}", field=leaf)
+            for j, leaf in enumerate(self.leaves)
+        ]
+
+
+@dataclass(frozen=True)
+class SplitTrees(_PlanBase):
+    """A reduce in parts: segment ``j`` of the inputs up tree ``specs[j]``,
+    every tree rooted on one worker, which joins the segments."""
+
+    TAG: ClassVar[str] = "split-trees"
+
+    specs: tuple[ReduceSpec, ...]
+
+    @property
+    def root(self) -> str:
+        first = self.specs[0]
+        return first.addresses[first.root]
+
+
+@dataclass(frozen=True)
+class AllreduceTree(_PlanBase):
+    """A reduce tree whose result streams down the chain of workers
+    ``spec.copies`` while the tree produces it."""
+
+    TAG: ClassVar[str] = "allreduce-tree"
+
+    spec: ReduceSpec
+
+    @property
+    def root(self) -> str:
+        return self.spec.addresses[self.spec.root]
+
+
+@dataclass(frozen=True)
+class SegmentedAllreduce(_PlanBase):
+    """An allreduce in ``len(specs)`` segments: segment ``i`` is reduced up
+    tree ``specs[i]``, rooted at input slot ``roots[i]`` on the i-th worker,
+    and streams to the others (``specs[i].copies``) while it is produced.
+    Every worker then joins the segments: its own and the others' copies."""
+
+    TAG: ClassVar[str] = "segmented-allreduce"
+
+    specs: tuple[ReduceSpec, ...]
+    roots: tuple[int, ...]
+
+    @property
+    def root(self) -> str:
+        return self.workers[0]
+
+    @property
+    def workers(self) -> list[str]:
+        """The worker of each segment's root, in segment order."""
+        return [s.addresses[r] for s, r in zip(self.specs, self.roots, strict=True)]
+
+
+Plan = OneTask | Tree | SplitTrees | AllreduceTree | SegmentedAllreduce
+_TYPES: dict[str, type[Any]] = {
+    t.TAG: t for t in (OneTask, Tree, SplitTrees, AllreduceTree, SegmentedAllreduce)
+}
+
+
+def plan_from_msg(m: Mapping[str, Any]) -> Plan:
+    """The plan a message of :meth:`~_PlanBase.to_msg` describes."""
+    try:
+        cls = _TYPES[m["type"]]
+    except KeyError:
+        raise ValueError(f"not a reduction plan: type {m.get('type')!r}") from None
+    plan: Plan = cls._from_fields(m)
+    return plan
+
+
+def plan_reduction(
+    req: PlanRequest,
+    chosen: Sequence[Key],
+    who_has: Mapping[Key, Sequence[str]],
+    nbytes: Mapping[Key, int],
+    net: NetworkEstimate | None,
+) -> Plan:
+    """The plan for reducing ``chosen`` (every one held somewhere: ``who_has``
+    lists a holder for each; an input on ``req.to`` is taken from there), as
+    ``req`` asks; ``net`` is None on a cluster without dask-hoplite."""
+    plan = _plan(req, chosen, who_has, nbytes, net)
+    logger.debug(
+        "reduction %s planned: %s of %d inputs, root %s", req.rid, plan.TAG, len(chosen), plan.root
+    )
+    return plan
+
+
+def _plan(
+    req: PlanRequest,
+    chosen: Sequence[Key],
+    who_has: Mapping[Key, Sequence[str]],
+    nbytes: Mapping[Key, int],
+    net: NetworkEstimate | None,
+) -> Plan:
+    addresses = []
+    for key in chosen:
+        holders = sorted(who_has.get(key) or ())
+        if not holders:
+            raise ReduceInputLost(f"input {key!r} of the reduction has no holder to plan with")
+        addresses.append(req.to if req.to in holders else holders[0])
+    spares = list(req.inputs)
+    for key in chosen:
+        if key in spares:
+            spares.remove(key)
+    base: dict[str, Any] = {
+        "rid": req.rid,
+        "op": req.op,
+        "chosen": tuple(chosen),
+        "spares": tuple(spares),
+    }
+    size = max(int(nbytes.get(key, 0) or 0) for key in chosen)
+    distinct = list(dict.fromkeys(addresses))
+    if net is None or is_small(size, req.min_bytes):
+        worker = req.to or addresses[0]
+        copies = tuple(sorted(set(addresses) - {worker})) if req.allreduce else ()
+        return OneTask(**base, worker=worker, copies=copies, registered=net is not None)
+    if req.allreduce:
+        if len(distinct) >= 3 and size // len(distinct) >= req.segment_min_bytes:
+            specs, roots = segmented_allreduce_specs(
+                req.rid, req.op, chosen, addresses, distinct, net, size, req.block_bytes
+            )
+            return SegmentedAllreduce(**base, specs=tuple(specs), roots=tuple(roots))
+        spec = tree_spec(req.rid, req.op, chosen, addresses, net, size, req.block_bytes)
+        root = spec.addresses[spec.root]
+        copies = tuple(sorted(set(spec.addresses) - {root}))
+        return AllreduceTree(**base, spec=dataclasses.replace(spec, copies=copies))
+    if req.parts > 1 and len(distinct) >= 3:
+        root_input = addresses.index(req.to) if req.to in addresses else 0
+        if req.to is not None and req.to not in addresses:
+            addresses[root_input] = req.to  # ``to`` fetches that input first
+        specs = split_tree_specs(
+            req.rid, req.op, chosen, addresses, root_input, req.parts, req.block_bytes
+        )
+        return SplitTrees(**base, specs=tuple(specs))
+    spec = tree_spec(req.rid, req.op, chosen, addresses, net, size, req.block_bytes, req.to)
+    return Tree(**base, spec=spec, leaves=req.leaves)
 
 
 def tree_spec(
@@ -110,68 +389,56 @@ def split_tree_specs(
     return specs
 
 
-def plan_reduction(
+def segmented_allreduce_specs(
     rid: str,
     op: str,
-    chosen: Sequence[Key],
-    spares: Sequence[Key],
-    who_has: Mapping[Key, Sequence[str]],
-    nbytes: Mapping[Key, int],
-    net: NetworkEstimate | None,
-    min_bytes: int,
+    keys: Sequence[Key],
+    addresses: Sequence[str],
+    distinct: Sequence[str],
+    net: NetworkEstimate,
+    size: int,
     block_bytes: int,
-    to: str | None = None,
-    parts: int = 1,
-) -> dict[str, Any]:
-    """The plan for reducing ``chosen`` (every one held somewhere: ``who_has``
-    lists a holder for each), with the result on worker ``to`` if given; in
-    ``parts`` segments, each up its own tree (:func:`split_tree_specs`), when
-    ``parts`` is above 1 and the inputs are on three workers or more."""
-    addresses = []
-    for key in chosen:
-        holders = sorted(who_has.get(key) or ())
-        if not holders:
-            raise ValueError(f"input {key!r} has no holder to plan with")
-        addresses.append(to if to in holders else holders[0])
-    size = max(int(nbytes.get(key, 0) or 0) for key in chosen)
-    plan: dict[str, Any] = {"chosen": list(chosen), "spares": list(spares), "op": op}
-    if net is None or size < min_bytes:
-        return {**plan, "mode": "values", "root": to or addresses[0]}
-    if parts > 1 and len(set(addresses)) >= 3:
-        root_input = addresses.index(to) if to in addresses else 0
-        if to is not None and to not in addresses:
-            addresses[root_input] = to  # ``to`` fetches that input first
-        specs = split_tree_specs(rid, op, chosen, addresses, root_input, parts, block_bytes)
-        return {
-            **plan,
-            "mode": "split",
-            "specs": [s.to_msg() for s in specs],
-            "root": addresses[root_input],
-        }
-    spec = tree_spec(rid, op, chosen, addresses, net, size, block_bytes, to)
-    return {**plan, "mode": "tree", "spec": spec.to_msg(), "root": spec.addresses[spec.root]}
+) -> tuple[list[ReduceSpec], list[int]]:
+    """An allreduce as m concurrent reduce-then-broadcast pipelines, one per
+    segment of 1/m of the object, each rooted on another of the m workers
+    ``distinct``: the trees, and the input slot at each one's root.
 
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What a reduction's planning task is given: its inputs (keys, which Dask
-    must not take for dependencies: this object is passed as it is), how many
-    of them to reduce, the op, the key of its result task, and the client's
-    ``hoplite.min-bytes`` and ``hoplite.block-bytes`` at the call; ``to``:
-    the worker the result must be on (None: the planner picks the root)."""
-
-    rid: str
-    op: str
-    inputs: tuple[Key, ...]
-    k: int
-    result: Key
-    min_bytes: int
-    block_bytes: int
-    to: str | None = None
-    #: Above 1: reduce that many segments, each up its own tree.
-    parts: int = 1
-
-    @property
-    def plan_key(self) -> str:
-        """The key of the planning task."""
-        return f"hoplite-plan-{self.op}-{self.rid}"
+    Segment i's reduce chain runs through the workers in the order i+1, i+2,
+    ..., i (its root) and its result streams to i+1, i+2, ... as it fills, so
+    every worker sends and receives (m-1)/m of the object in each phase:
+    2(m-1)/m * S per NIC and direction, the bound, where one tree plus one
+    chain of copies would make every worker carry 2 S.
+    """
+    n, m = len(keys), len(distinct)
+    plan = plan_reduce_tree(n, max_chain_length(size // m, net.bandwidth, net.latency))
+    positions = [p for p in range(n) if p != plan.root]  # filled in order
+    specs = []
+    roots = []
+    for i, wi in enumerate(distinct):
+        rotation = [*distinct[i + 1 :], *distinct[: i + 1]]  # wi last
+        rank = {w: r for r, w in enumerate(rotation)}
+        root_slot = list(addresses).index(wi)
+        others = sorted(
+            (s for s in range(n) if s != root_slot), key=lambda s: (rank[addresses[s]], s)
+        )
+        slot_at = {plan.root: root_slot, **dict(zip(positions, others, strict=True))}
+        parent: list[int | None] = [None] * n
+        for p in range(n):
+            q = plan.parent[p]
+            parent[slot_at[p]] = None if q is None else slot_at[q]
+        specs.append(
+            ReduceSpec(
+                rid=segment_rid(rid, i),
+                op=op,
+                inputs=tuple(keys),
+                addresses=tuple(addresses),
+                parent=tuple(parent),
+                shape=(),
+                dtype="",
+                block_bytes=block_bytes,
+                copies=tuple(rotation[:-1]),
+                segment=(i, m),
+            )
+        )
+        roots.append(root_slot)
+    return specs, roots

@@ -27,7 +27,7 @@ import numpy as np
 from dask.typing import Key
 
 from dask_hoplite.core.buffer_pool import BufferPool
-from dask_hoplite.errors import LayoutChanged
+from dask_hoplite.errors import BufferStateError, LayoutChanged
 
 
 class BufferState(enum.Enum):
@@ -154,7 +154,7 @@ class ObjectBuffer:
         self._waiters: list[tuple[int, Waiter]] = []
         #: Per reader's address, the byte before which a sender may have
         #: handed this buffer's bytes to its socket
-        #: (:func:`dask_hoplite.streams.send_stream` raises it).
+        #: (:func:`dask_hoplite.worker.streams.send_stream` raises it).
         self.served: dict[str, int] = {}
 
     # -------------------------------------------------------------- creation
@@ -199,7 +199,7 @@ class ObjectBuffer:
         resumed stream) but must not leave a gap.
         """
         if self.state is not BufferState.RECEIVING or self._array is None:
-            raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
+            raise BufferStateError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
         mv = as_byte_view(data)
         end = offset + mv.nbytes
         if offset < 0 or offset > self.progress or end > self._array.size:
@@ -214,7 +214,7 @@ class ObjectBuffer:
         """Receiving side: the bytes [start, stop) to be filled in place (a
         socket reads straight into them); call :meth:`advance` once they are."""
         if self.state is not BufferState.RECEIVING or self._array is None:
-            raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
+            raise BufferStateError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
         if not 0 <= start <= self.progress or not start <= stop <= self._array.size:
             raise ValueError(f"[{start}, {stop}) does not continue progress {self.progress}")
         return memoryview(self._array)[start:stop]  # type: ignore[arg-type]
@@ -234,7 +234,7 @@ class ObjectBuffer:
         bytes received so far go back to the pool when no reader holds them.
         Raises :class:`LayoutChanged` if ``source`` is another object."""
         if self.state is not BufferState.RECEIVING or self.layout is None:
-            raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
+            raise BufferStateError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
         # Same frame sizes and content identity; the headers are not compared:
         # ours came over the wire (msgpack turns tuples into lists).
         if (
@@ -271,7 +271,7 @@ class ObjectBuffer:
         live reader has taken yet (:meth:`served_to`); the caller copies the
         bytes before it into ``array``."""
         if self.state is not BufferState.COMPLETE or self.layout is None:
-            raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not complete")
+            raise BufferStateError(f"buffer of {self.key!r} is {self.state.value}, not complete")
         if array.dtype != np.uint8 or array.size != self.layout.nbytes:
             raise ValueError(f"{self.key!r} has {self.layout.nbytes} bytes, not {array.nbytes}")
         mv = memoryview(array)  # type: ignore[arg-type]
@@ -281,7 +281,7 @@ class ObjectBuffer:
     def advance(self, end: int) -> int:
         """Bytes up to ``end`` were written in place; wake readers."""
         if self.state is not BufferState.RECEIVING or self._array is None:
-            raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
+            raise BufferStateError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
         if not self.progress <= end <= self._array.size:
             raise ValueError(f"cannot advance {self.key!r} from {self.progress} to {end}")
         if end > self.progress:
@@ -364,7 +364,7 @@ class ObjectBuffer:
 
     def frames(self) -> list[memoryview]:
         if self.state is not BufferState.COMPLETE:
-            raise RuntimeError(f"buffer of {self.key!r} is {self.state.value}, not complete")
+            raise BufferStateError(f"buffer of {self.key!r} is {self.state.value}, not complete")
         return list(self._frames)
 
     @property

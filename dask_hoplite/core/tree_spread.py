@@ -7,7 +7,7 @@ worker W where Dask recomputed that input, and the dead node's children and
 parent stream to it. In split trees (``reduce(..., parts=k)``) every NIC is
 already full, so W then carries twice its load each way and every tree through
 W runs at half rate until the end: 2.3x of S/B at 1,024 workers with 1% of them
-failing (``docs/benchmarks.md``). A *spread* gives no worker a second stream.
+failing (``docs/benchmark-log.md``). A *spread* gives no worker a second stream.
 When node ``v`` dies and its parent ``p`` had its stream up to byte ``b``:
 
 - W's own node of the tree adds the recomputed input into the stream it
@@ -27,9 +27,10 @@ The bytes before ``b`` need nothing: they reached ``p`` through ``v``.
 :meth:`LiveTree.plan_spread` decides who adopts whom (the adopters then pick
 their bytes, which only they know), :meth:`SpreadPlan.patches` turns those
 bytes into the patches ``p`` reads, and :meth:`LiveTree.apply` records the
-new shape. No IO: the root's worker carries the decisions out
-(:mod:`dask_hoplite.worker.tree_spreader`: in a reduce in parts by default,
-or everywhere with ``hoplite.reduce.repair: spread``), and the simulator
+new shape. No IO: :class:`~dask_hoplite.core.tree_repair.TreeRepair` asks
+for the plans and decides (in a reduce in parts by default, or everywhere with
+``hoplite.reduce.repair: spread``), the root's worker carries them out
+(:mod:`dask_hoplite.worker.tree_spreader`), and the simulator
 (``benchmarks/simulator/spread_repair.py``) drives them too.
 """
 
@@ -40,9 +41,7 @@ import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-
-class SpreadRefused(ValueError):
-    """A dead node that cannot be spread (the tree must be restarted)."""
+from dask_hoplite.errors import SpreadRefused
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,14 @@ only wires the rest into the scheduler and takes it out again:
 - :mod:`.directory_service`: the RPC shell around the sans-IO object directory
   (workers ask it whom to stream a large key from and report their transfers);
 - :mod:`.queries`: read-only RPCs reductions and collectives plan with;
+- :mod:`.client`: their other side, what workers and clients ask the scheduler part;
+- :mod:`.first_ready`: the first ``k`` of a reduction's inputs to be ready;
+- :mod:`.collective_log`: what the collectives did, by kind and outcome;
+- :mod:`.metrics`: the scheduler part's Prometheus series;
 - :mod:`.replicate`, :mod:`.graph_rewrite`, :mod:`.amm`: one override of a Dask
   internal each (``replicate``, ``_create_taskstate_from_graph``, the Active
   Memory Manager's ``_find_dropper``), each undone exactly by its ``restore``
-  (with :mod:`.patching`).
+  (with :mod:`dask_hoplite.patching`).
+
+``tests/test_module_maps.py`` checks that this list names every module here.
 """
-
-from __future__ import annotations
-
-from dask_hoplite.scheduler.plugin import Hoplite
-
-__all__ = ["Hoplite"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
 
-from dask_hoplite.scheduler.patching import AttributePatch
+from dask_hoplite.patching import AttributePatch
 
 if TYPE_CHECKING:
     from distributed import Scheduler

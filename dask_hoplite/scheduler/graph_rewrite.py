@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.graph_reduce import rewrite_graph
-from dask_hoplite.scheduler.patching import AttributePatch
+from dask_hoplite.patching import AttributePatch
 
 if TYPE_CHECKING:
     from distributed import Scheduler

@@ -26,17 +26,19 @@ from dask_hoplite.core.directory import ObjectDirectory
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.dashboard.live import live_state
 from dask_hoplite.dashboard.page import DashboardRoutes
+from dask_hoplite.errors import WorkerPartFailed
+from dask_hoplite.patching import Override
 from dask_hoplite.scheduler.amm import StreamDropGuard
+from dask_hoplite.scheduler.client import METADATA_KEY
 from dask_hoplite.scheduler.collective_log import CollectiveLog
 from dask_hoplite.scheduler.directory_service import DirectoryService
 from dask_hoplite.scheduler.first_ready import FirstReady
 from dask_hoplite.scheduler.graph_rewrite import GraphRewrite
 from dask_hoplite.scheduler.metrics import SCHEDULER_SERIES, SchedulerSource
-from dask_hoplite.scheduler.patching import Override
 from dask_hoplite.scheduler.queries import SchedulerQueries
 from dask_hoplite.scheduler.replicate import ReplicateOverride
-from dask_hoplite.scheduler_queries import METADATA_KEY
-from dask_hoplite.worker import PLUGIN_NAME, HopliteWorker
+from dask_hoplite.worker.context import PLUGIN_NAME
+from dask_hoplite.worker.plugin import HopliteWorker
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -187,7 +189,7 @@ class Hoplite(SchedulerPlugin):
         failed = {a: r for a, r in responses.items() if r.get("status") != "OK"}
         if failed:
             logger.error("hoplite worker part failed to start on %s", failed)
-            raise RuntimeError(
+            raise WorkerPartFailed(
                 "dask-hoplite's worker part failed to start on "
                 + ", ".join(f"{a}: {r.get('exception_text') or r}" for a, r in failed.items())
             )

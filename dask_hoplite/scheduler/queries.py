@@ -4,7 +4,7 @@ Reductions and collectives plan with where keys are, how big they are and how
 fast the network is, and follow tasks that Dask recomputes or moves. Dask's own
 RPCs answer part of that in several round trips; these answer it in one, from
 the scheduler's task states and the network model, and change nothing. The
-client side of them is :mod:`dask_hoplite.scheduler_queries`.
+client side of them is :mod:`dask_hoplite.scheduler.client`.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ from dask.typing import Key
 from distributed.core import Status
 
 from dask_hoplite.config import HopliteConfig
-from dask_hoplite.scheduler.patching import AttributePatch, ItemPatch
+from dask_hoplite.patching import AttributePatch, ItemPatch
 
 if TYPE_CHECKING:
     from distributed import Scheduler

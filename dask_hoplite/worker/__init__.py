@@ -4,16 +4,20 @@
 * :mod:`~dask_hoplite.worker.context`: what the components share;
 * :mod:`~dask_hoplite.worker.receiver`: fetch with resume, and Dask's fetch paths over it;
 * :mod:`~dask_hoplite.worker.sender`: the ``hoplite_stream`` peer handler;
+* :mod:`~dask_hoplite.worker.streams`: the sender and receiver loops over ``distributed.comm``;
 * :mod:`~dask_hoplite.worker.partial_copies`: a copy's fate when Dask's state of its key changes;
+* :mod:`~dask_hoplite.worker.prefault`: receive memory faulted in off the critical path;
+* :mod:`~dask_hoplite.worker.accounting`: hoplite's transfers in Dask's own bookkeeping;
+* :mod:`~dask_hoplite.worker.progress`: incoming streams' progress, in the heartbeat;
+* :mod:`~dask_hoplite.worker.metrics`: the worker's Prometheus series;
 * :mod:`~dask_hoplite.worker.reductions`: the reduce trees this worker takes part in;
 * :mod:`~dask_hoplite.worker.reduce_node` / :mod:`~dask_hoplite.worker.combine`: a node of a tree;
 * :mod:`~dask_hoplite.worker.reduce_root`: a tree's root (one object per running tree);
+* :mod:`~dask_hoplite.worker.tree_spreader`: the root's side of spreading a dead node;
+* :mod:`~dask_hoplite.worker.planned_reduce`: ``reduce``'s planning task and result task;
 * :mod:`~dask_hoplite.worker.allreduce` / :mod:`~dask_hoplite.worker.small_allreduce`;
 * :mod:`~dask_hoplite.worker.aggregate`: dask.array/bag aggregates as reduce trees;
 * :mod:`~dask_hoplite.worker.tasks`: the functions the collectives submit as Dask tasks.
+
+``tests/test_module_maps.py`` checks that this list names every module here.
 """
-
-from dask_hoplite.worker.context import PLUGIN_NAME
-from dask_hoplite.worker.plugin import HopliteWorker
-
-__all__ = ["PLUGIN_NAME", "HopliteWorker"]

@@ -10,7 +10,7 @@ worker, then runs the aggregate's own finishing step. On any failure of the
 tree the parts are fetched and Dask's own aggregate runs on them.
 
 It overrides ``Worker.handle_stimulus`` on the worker instance
-(:meth:`install` / :meth:`restore`).
+(:meth:`install` returns the patch that undoes it).
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ from distributed.worker import Worker
 from distributed.worker_state_machine import ComputeTaskEvent, StateMachineEvent
 
 from dask_hoplite.core.graph_reduce import GraphReduce
-from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, select_field
+from dask_hoplite.core.reduce_plan import PlanRequest, Tree, is_small, plan_reduction
+from dask_hoplite.core.reduce_spec import check_input, select_field
 from dask_hoplite.errors import ReduceInputError
+from dask_hoplite.patching import AttributePatch
+from dask_hoplite.scheduler.client import network_estimate
 from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, run_on_loop
 from dask_hoplite.worker.reduce_root import ReduceRoots
 
@@ -46,13 +49,10 @@ class AggregateTakeover:
         self.fetch_parts = fetch_parts
         self._original: Callable[..., None] | None = None
 
-    def install(self, worker: Worker) -> None:
+    def install(self, worker: Worker) -> AttributePatch:
+        """Take over ``worker.handle_stimulus``; the patch undoes it."""
         self._original = worker.handle_stimulus
-        worker.handle_stimulus = self.handle_stimulus  # type: ignore[method-assign]
-
-    def restore(self, worker: Worker) -> None:
-        if worker.__dict__.get("handle_stimulus") == self.handle_stimulus:
-            del worker.handle_stimulus
+        return AttributePatch(worker, "handle_stimulus", self.handle_stimulus)
 
     def handle_stimulus(self, *stims: StateMachineEvent) -> None:
         """Dask's ``Worker.handle_stimulus``, with the aggregate tasks taken
@@ -72,7 +72,7 @@ class AggregateTakeover:
         if (
             len(keys) < 2
             or set(keys) != set(ev.who_has)
-            or max(ev.nbytes.values(), default=0) < self.ctx.config.min_bytes
+            or is_small(max(ev.nbytes.values(), default=0), self.ctx.config.min_bytes)
             or all(me in ev.who_has[k] for k in keys)
         ):
             return ev
@@ -96,9 +96,8 @@ class AggregateTakeover:
         w = self.ctx.worker
         if self.ctx.closed:  # the plugin went away after the task arrived
             raise Reschedule()
-        size = max(nbytes.values())
         try:
-            combined = run_on_loop(w, self.reduce_parts, fn, keys, who_has, size)
+            combined = run_on_loop(w, self.reduce_parts, fn, keys, who_has, nbytes)
             return fn.finish(combined)
         except ReduceInputError as e:
             logger.info("%r: computing the aggregate on fetched inputs (%s)", fn, e)
@@ -111,7 +110,11 @@ class AggregateTakeover:
         return fn(*values)
 
     async def reduce_parts(
-        self, fn: GraphReduce, keys: list[Key], who_has: dict[Key, list[str]], size: int
+        self,
+        fn: GraphReduce,
+        keys: list[Key],
+        who_has: dict[Key, list[str]],
+        nbytes: dict[Key, int],
     ) -> Any:
         """Combine the parts ``keys`` elementwise with a reduce tree rooted
         here; returns the combined part (a dict of arrays for dict parts).
@@ -119,38 +122,32 @@ class AggregateTakeover:
         caller then runs Dask's own aggregate on fetched parts)."""
         w = self.ctx.worker
         me = w.address
-        addresses = [me if me in who_has[k] else sorted(who_has[k])[0] for k in keys]
-        local = [i for i, a in enumerate(addresses) if a == me]
-        if not local:
+        if not any(me in who_has[k] for k in keys):
             raise ReduceInputError("no input of the reduction is on this worker")
-        # A local part at the root's slot: its value is the root's operand.
-        plan, order = await self.roots.plan_rooted_at(len(keys), size, local[0], addresses)
-        inputs = tuple(keys[i] for i in order)
-        root_key = inputs[plan.root]
-        fields: tuple[str | None, ...] = fn.fields or (None,)
+        cfg = self.ctx.config
+        req = PlanRequest(
+            rid=uuid.uuid4().hex,
+            op=fn.op,
+            inputs=tuple(keys),
+            k=len(keys),
+            min_bytes=cfg.min_bytes,
+            block_bytes=cfg.block_bytes,
+            to=me,  # a local part at the root: its value is the root's operand
+            leaves=fn.fields or (None,),
+        )
+        net = await network_estimate(w.scheduler)
+        plan = plan_reduction(req, keys, who_has, nbytes, net)
+        assert isinstance(plan, Tree), plan  # large parts, one result here
+        specs = plan.leaf_specs()
+        root_key = plan.spec.inputs[plan.spec.root]
         operands = []
-        for field in fields:
-            operand = check_input(select_field(w.data[root_key], field, root_key), root_key)
+        for spec in specs:
+            operand = check_input(select_field(w.data[root_key], spec.field, root_key), root_key)
             if not fn.accepts(operand.dtype):
                 raise ReduceInputError(f"{fn!r} does not combine {operand.dtype} parts")
             if not fn.parts_fit(operand.shape):
                 raise ReduceInputError(f"input {root_key!r} has extent != 1 along the reduced axes")
             operands.append(operand)
-        rid = uuid.uuid4().hex
-        specs = [
-            ReduceSpec(
-                rid=f"{rid}-{j}",
-                op=fn.op,
-                inputs=inputs,
-                addresses=tuple(addresses[i] for i in order),
-                parent=plan.parent,
-                shape=(),
-                dtype="",
-                block_bytes=self.ctx.config.block_bytes,
-                field=field,
-            )
-            for j, field in enumerate(fields)
-        ]
         results = await all_or_cancel(
             (self.roots.run(v, sp.to_msg()) for v, sp in zip(operands, specs, strict=True)),
             "reduce of a field",

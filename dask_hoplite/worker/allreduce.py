@@ -18,7 +18,6 @@ restartable reduction of all the inputs rooted on this worker
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import uuid
@@ -26,19 +25,22 @@ from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
+from dask.typing import Key
 from distributed.metrics import context_meter
 from distributed.metrics import time as dask_time
 
 from dask_hoplite.core.protocol import StreamRequest
 from dask_hoplite.core.reduce_ops import resolve_op
+from dask_hoplite.core.reduce_plan import PlanRequest, Tree, plan_reduction
 from dask_hoplite.core.reduce_spec import ReduceSpec, join_segments
 from dask_hoplite.core.store import ObjectBuffer
-from dask_hoplite.errors import ReduceInputError
-from dask_hoplite.streams import pooled_comm, raw_stream, receive_stream
+from dask_hoplite.errors import CollectiveAborted, ReduceInputError, as_exception
+from dask_hoplite.scheduler.client import network_estimate
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, cancel_quietly
 from dask_hoplite.worker.reduce_root import ReduceRoots
 from dask_hoplite.worker.reductions import RunningReductions
+from dask_hoplite.worker.streams import pooled_comm, raw_stream, receive_stream
 
 logger = logging.getLogger(__name__)
 
@@ -164,20 +166,25 @@ class Allreduce:
                 [value] = await self.fetch_parts([key], {key: list(who_has.get(key) or [])})
         held_by = list(spec.addresses)
         held_by[slot] = w.address
+        order = [slot, *(i for i in range(n) if i != slot)]  # ``value``'s input first
+        keys = [spec.inputs[i] for i in order]
+        holders: dict[Key, list[str]] = {}
+        for i in order:
+            holders.setdefault(spec.inputs[i], []).append(held_by[i])
         size = int(getattr(value, "nbytes", 0) or 0)
-        plan, order = await self.roots.plan_rooted_at(n, size, slot, held_by)
-        plain = dataclasses.replace(
-            spec,
+        req = PlanRequest(
             rid=uuid.uuid4().hex,
-            inputs=tuple(spec.inputs[i] for i in order),
-            addresses=tuple(held_by[i] for i in order),
-            parent=plan.parent,
-            copies=(),
-            segment=None,
-            shape=(),
-            dtype="",
+            op=spec.op,
+            inputs=tuple(keys),
+            k=n,
+            min_bytes=0,  # a tree whatever the size: the copies wait on its root
+            block_bytes=spec.block_bytes,
+            to=w.address,
         )
-        return await self.roots.run(value, plain.to_msg())
+        net = await network_estimate(w.scheduler)
+        plan = plan_reduction(req, keys, holders, dict.fromkeys(keys, size), net)
+        assert isinstance(plan, Tree), plan
+        return await self.roots.run(value, plan.spec.to_msg())
 
     async def pull_copy(self, spec_msg: dict[str, Any], j: int) -> Any:
         """Allreduce copy ``j``: stream the result from the previous copy (or
@@ -187,7 +194,7 @@ class Allreduce:
         its caller)."""
         spec = ReduceSpec.from_msg(spec_msg)
         if self.reductions.is_aborted(spec.rid):
-            raise RuntimeError(f"reduction {spec.rid} was aborted; no result to copy")
+            raise CollectiveAborted(f"reduction {spec.rid} was aborted; no result to copy")
         key = spec.copy_key(j)
         buf = self.ctx.store.announce(key)
         self.reductions.announced(key)
@@ -197,15 +204,15 @@ class Allreduce:
                 await asyncio.wait({task})
             except BaseException:  # we were cancelled ourselves
                 cancel_quietly([task])
-                buf.fail(RuntimeError("allreduce copy cancelled"))
+                buf.fail(CollectiveAborted("allreduce copy cancelled"))
                 raise
         if task.cancelled():
-            error: BaseException = RuntimeError(f"allreduce copy {j} of {spec.rid} was aborted")
+            error: BaseException = CollectiveAborted(f"allreduce copy {j} of {spec.rid} was aborted")
         else:
             error = task.exception()  # type: ignore[assignment]
             if error is None:
                 return task.result()
-        buf.fail(error if isinstance(error, Exception) else RuntimeError(str(error)))
+        buf.fail(as_exception(error))
         raise error
 
     async def _pull_copy(self, spec: ReduceSpec, j: int, buf: ObjectBuffer) -> Any:

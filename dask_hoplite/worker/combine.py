@@ -33,8 +33,10 @@ from dask_hoplite.core.protocol import StreamRequest
 from dask_hoplite.core.reduce_ops import ReduceOp
 from dask_hoplite.core.reduce_spec import ReduceSpec
 from dask_hoplite.core.store import ObjectBuffer
-from dask_hoplite.errors import LayoutMismatch, ReduceInputError
-from dask_hoplite.streams import (
+from dask_hoplite.errors import LayoutMismatch, ReduceInputError, as_exception
+from dask_hoplite.worker import accounting
+from dask_hoplite.worker.context import WorkerContext
+from dask_hoplite.worker.streams import (
     PooledComm,
     open_pooled,
     open_stream,
@@ -44,8 +46,6 @@ from dask_hoplite.streams import (
     receive_stream,
     wait_progress,
 )
-from dask_hoplite.worker import accounting
-from dask_hoplite.worker.context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -348,5 +348,5 @@ async def _pull(job: NodeJob, child: int, buf: ObjectBuffer) -> int:
         return n
     except BaseException as e:
         logger.debug("stream of partial %s from %s failed", buf.key, addr, exc_info=True)
-        buf.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))
+        buf.fail(as_exception(e))
         raise

@@ -32,7 +32,7 @@ from distributed.worker_state_machine import SecedeEvent
 
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.store import BlockStore, ObjectBuffer
-from dask_hoplite.errors import ReduceInputError
+from dask_hoplite.errors import CollectiveAborted, ReduceInputError
 
 logger = logging.getLogger(__name__)
 
@@ -208,13 +208,13 @@ async def all_or_cancel(aws: Iterable[Awaitable[T]], what: str) -> list[T]:
     errors: list[BaseException] = []
     for t in done:
         if t.cancelled():
-            errors.append(RuntimeError(f"{what} cancelled"))
+            errors.append(CollectiveAborted(f"{what} cancelled"))
         elif (e := t.exception()) is not None:
             errors.append(e)
     if errors or pending:
         raise next(
             (e for e in errors if isinstance(e, ReduceInputError)),
-            errors[0] if errors else RuntimeError(f"{what} cancelled"),
+            errors[0] if errors else CollectiveAborted(f"{what} cancelled"),
         )
     return [t.result() for t in tasks]
 

@@ -31,10 +31,17 @@ from distributed.protocol.serialize import Serialized, deserialize
 from distributed.worker import Worker
 
 from dask_hoplite.core.network_model import NetworkEstimate
-from dask_hoplite.core.reduce_plan import PlanRequest, plan_reduction
+from dask_hoplite.core.reduce_plan import (
+    OneTask,
+    PlanRequest,
+    SplitTrees,
+    Tree,
+    plan_from_msg,
+    plan_reduction,
+)
 from dask_hoplite.core.reduce_spec import reduce_values
-from dask_hoplite.errors import ReduceInputLost
-from dask_hoplite.scheduler_queries import METADATA_KEY
+from dask_hoplite.errors import NotRegistered, ReduceInputLost
+from dask_hoplite.scheduler.client import METADATA_KEY
 from dask_hoplite.worker.context import PLUGIN_NAME
 from dask_hoplite.worker.receiver import get_data_or_reschedule
 
@@ -70,25 +77,10 @@ async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
         net = NetworkEstimate.from_msg(m["network"])
     else:
         chosen, who_has, nbytes = await _first_ready_without_plugin(w, keys, k)
-    spares = list(keys)
-    for key in chosen:
-        spares.remove(key)
-    plan = plan_reduction(
-        req.rid,
-        req.op,
-        chosen,
-        spares,
-        who_has,
-        nbytes,
-        net,
-        req.min_bytes,
-        req.block_bytes,
-        req.to,
-        req.parts,
-    )
-    await w.scheduler.set_restrictions(worker={req.result: [plan["root"]]})
-    logger.debug("reduction %s: %s over %s, root %s", req.rid, plan["mode"], chosen, plan["root"])
-    return plan
+    plan = plan_reduction(req, chosen, who_has, nbytes, net)
+    await w.scheduler.set_restrictions(worker={req.result: [plan.root]})
+    logger.debug("reduction %s: %s over %s, root %s", req.rid, plan.TAG, chosen, plan.root)
+    return plan.to_msg()
 
 
 async def _first_ready_without_plugin(
@@ -143,23 +135,23 @@ async def _raise_lost(key: Key, state: str | None, exception: BaseException | No
     )
 
 
-async def run_plan(w: Worker, plan: dict[str, Any]) -> Any:
-    """The result of reduction ``plan`` (this is its result task)."""
+async def run_plan(w: Worker, plan_msg: dict[str, Any]) -> Any:
+    """The result of reduction ``plan_msg`` (this is its result task)."""
+    plan = plan_from_msg(plan_msg)
     part = _worker_part(w)
-    if plan["mode"] == "values":
-        values = await fetch_values(w, part, plan["chosen"])
-        return reduce_values(plan["op"], plan["chosen"], values)
+    if isinstance(plan, OneTask):
+        chosen = list(plan.chosen)
+        return reduce_values(plan.op, chosen, await fetch_values(w, part, chosen))
     if part is None:
-        raise RuntimeError(
-            f"dask-hoplite's worker part is not installed on {w.address}: "
-            "register dask_hoplite.Hoplite() first"
-        )
-    specs = plan["specs"] if plan["mode"] == "split" else [plan["spec"]]
-    root_key = specs[0]["inputs"][specs[0]["parent"].index(None)]
-    [value] = await fetch_values(w, part, [root_key])
-    if plan["mode"] != "split":
-        return await part.roots.run(value, specs[0])
-    return await part.roots.run_segments(value, specs)
+        raise NotRegistered.on_worker(w.address)
+    if isinstance(plan, Tree):
+        [value] = await fetch_values(w, part, [plan.spec.inputs[plan.spec.root]])
+        return await part.roots.run(value, plan.spec.to_msg())
+    if isinstance(plan, SplitTrees):
+        first = plan.specs[0]
+        [value] = await fetch_values(w, part, [first.inputs[first.root]])
+        return await part.roots.run_segments(value, [s.to_msg() for s in plan.specs])
+    raise TypeError(f"a reduction's result task does not run a {type(plan).__name__}")
 
 
 async def fetch_values(w: Worker, part: Any, keys: list[Key]) -> list[Any]:

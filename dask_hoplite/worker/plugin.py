@@ -27,7 +27,8 @@ from dask_hoplite.compat import check_distributed_version, check_internals
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.protocol import STREAM_OP
 from dask_hoplite.core.store import BlockStore, BufferPool
-from dask_hoplite.errors import VersionMismatch
+from dask_hoplite.errors import NotRegistered, VersionMismatch
+from dask_hoplite.patching import AttributePatch, ItemPatch
 from dask_hoplite.worker.aggregate import AggregateTakeover
 from dask_hoplite.worker.allreduce import Allreduce
 from dask_hoplite.worker.context import PLUGIN_NAME, WorkerContext
@@ -106,6 +107,7 @@ class HopliteWorker(WorkerPlugin):
     def __init__(self, scheduler_version: str = __version__) -> None:
         self.scheduler_version = scheduler_version
         self._parts: WorkerParts | None = None
+        self._patches: list[AttributePatch | ItemPatch] = []
 
     def __getstate__(self) -> dict[str, Any]:
         return {"scheduler_version": self.scheduler_version}
@@ -125,11 +127,13 @@ class HopliteWorker(WorkerPlugin):
         check_distributed_version()
         check_internals([worker])
         parts = self._parts = WorkerParts.build(worker, HopliteConfig.from_dask_config())
-        worker.gather_dep = parts.fetch_paths.gather_dep  # type: ignore[method-assign]
-        worker.handlers["gather"] = parts.fetch_paths.gather
-        for name, handler in self._handlers().items():
-            worker.handlers[name] = handler
-        parts.aggregates.install(worker)
+        # Each override of a Dask internal is one patch, undone on its own.
+        self._patches = [
+            AttributePatch(worker, "gather_dep", parts.fetch_paths.gather_dep),
+            ItemPatch(worker.handlers, "gather", parts.fetch_paths.gather),
+            *(ItemPatch(worker.handlers, n, h) for n, h in self._handlers().items()),
+            parts.aggregates.install(worker),
+        ]
         interval = 1000 * min(1.0, parts.ctx.config.buffer_pool_idle)
         trim = PeriodicCallback(self._trim_pool, interval)
         worker.periodic_callbacks[_TRIM_CALLBACK] = trim
@@ -168,14 +172,9 @@ class HopliteWorker(WorkerPlugin):
         if isinstance(worker.metrics.get(METRIC), ProgressReport):
             del worker.metrics[METRIC]
         p.fetch_paths.close()
-        if worker.__dict__.get("gather_dep") == p.fetch_paths.gather_dep:
-            del worker.gather_dep
-        if worker.handlers.get("gather") == p.fetch_paths.gather:
-            worker.handlers["gather"] = p.fetch_paths.original_gather
-        for name, handler in self._handlers().items():
-            if worker.handlers.get(name) == handler:
-                del worker.handlers[name]
-        p.aggregates.restore(worker)
+        for patch in reversed(self._patches):
+            patch.undo()
+        self._patches = []
         p.reductions.close()
         p.partial_copies.close()
         trim = worker.periodic_callbacks.pop(_TRIM_CALLBACK, None)
@@ -233,7 +232,7 @@ class HopliteWorker(WorkerPlugin):
     def parts(self) -> WorkerParts:
         """The components (``plugin.parts.receiver``, ``.allreduce``...)."""
         if self._parts is None:
-            raise RuntimeError("dask-hoplite's worker part is not set up on this worker")
+            raise NotRegistered("dask-hoplite's worker part is not set up on this worker")
         return self._parts
 
     @property

@@ -36,10 +36,10 @@ from distributed.worker_state_machine import GatherDepSuccessEvent, StateMachine
 
 from dask_hoplite.core.protocol import PROTOCOL_VERSION, StreamRequest
 from dask_hoplite.core.store import BufferState, ObjectBuffer
-from dask_hoplite.errors import LayoutChanged
-from dask_hoplite.streams import pooled_comm, raw_stream, receive_stream
+from dask_hoplite.errors import LayoutChanged, TransferFailed
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import WorkerContext
+from dask_hoplite.worker.streams import pooled_comm, raw_stream, receive_stream
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class Receiver:
         if not buf.progress:
             self.ctx.store.discard_if(key, buf)
             if buf.state is not BufferState.COMPLETE:
-                buf.fail(RuntimeError(f"no hoplite sender for {key!r}"))
+                buf.fail(TransferFailed(f"no hoplite sender for {key!r}"))
 
     async def _stream_from(self, buf: ObjectBuffer, sender: str, tid: int, nbytes: int) -> Any:
         """One stream into ``buf`` from ``sender``, from the byte it reached.

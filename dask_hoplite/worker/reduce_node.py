@@ -29,7 +29,7 @@ from distributed.protocol import serialize
 from dask_hoplite.core.reduce_ops import ReduceOp, resolve_op
 from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, select_field
 from dask_hoplite.core.store import BufferState, Layout, ObjectBuffer
-from dask_hoplite.errors import ProtocolError, ReduceInputError, node_reply
+from dask_hoplite.errors import ProtocolError, ReduceInputError, as_exception, node_reply
 from dask_hoplite.worker.combine import (
     NodeJob,
     StreamInput,
@@ -120,7 +120,7 @@ class ReduceNodes:
                 self._release_children(spec.rid, job)
             return acc
         except BaseException as e:
-            acc.fail(e if isinstance(e, Exception) else RuntimeError(str(e)))
+            acc.fail(as_exception(e))
             store.discard_if(key, acc)
             raise
         finally:

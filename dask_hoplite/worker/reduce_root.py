@@ -26,19 +26,32 @@ from typing import Any
 import numpy as np
 from dask.typing import Key
 
-from dask_hoplite.core.planner import (
-    ReduceTree,
-    colocated_order,
-    max_chain_length,
-    plan_reduce_tree,
-)
+from dask_hoplite.core.planner import colocated_order
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, join_segments, segment_rid
 from dask_hoplite.core.store import ObjectBuffer
-from dask_hoplite.core.tree_repair import TreeRepair
-from dask_hoplite.core.tree_spread import LiveTree, worker_load
+from dask_hoplite.core.tree_repair import (
+    BreakTree,
+    CheckNode,
+    Closed,
+    FindHolder,
+    HolderFound,
+    HolderMissing,
+    NodeChecked,
+    NodeLost,
+    Patches,
+    Refuse,
+    RepairAsked,
+    Replace,
+    Spread,
+    SpreadAnswered,
+    SpreadFailed,
+    Tick,
+    TreeRepair,
+    repair_load,
+)
 from dask_hoplite.errors import NodeFailed, ReduceInputError, node_error
-from dask_hoplite.scheduler_queries import network_estimate, wait_for_holders
+from dask_hoplite.scheduler.client import wait_for_holders
 from dask_hoplite.worker.context import WorkerContext, all_or_cancel, cancel_quietly
 from dask_hoplite.worker.reduce_node import ReduceNodes
 from dask_hoplite.worker.reductions import RunningReductions
@@ -63,25 +76,23 @@ class TreeRoot:
         self.reductions = reductions
         self.nodes = nodes
         self.rid = spec.rid
-        # A split reduce's segment trees are repaired too; an allreduce is not.
+        #: Decides every repair of this tree; this object carries them out.
+        #: A split reduce's segment trees are repaired too; an allreduce is
+        #: not. Dead nodes are spread (``hoplite.reduce.repair``: spread, or
+        #: auto in a reduce in parts) or replaced.
         self.repair = TreeRepair(
             spec,
             budget=0 if spec.is_allreduce else ctx.config.max_resumes,
             grace=ctx.config.stall_timeout,
+            mode=ctx.config.repair_for(in_parts=spec.segment is not None),
         )
-        #: Spreads this tree's dead nodes (``hoplite.reduce.repair``: spread,
-        #: or auto in a reduce in parts); None: replaces them.
-        self.spreader = (
-            TreeSpreader(ctx, LiveTree(spec.parent), self._load)
-            if not spec.is_allreduce  # an allreduce's trees are not repaired
-            and ctx.config.repair_for(in_parts=spec.segment is not None) == "spread"
-            else None
-        )
-        self.slot_of: dict[Task, int] = {}
+        self.spreader = TreeSpreader(ctx)
+        #: The node (slot, call generation) each task runs.
+        self.slot_of: dict[Task, tuple[int, int]] = {}
         #: The task running each node now (its call to the node's worker).
         self.current: dict[int, Task] = {}
         #: Replacement nodes started, for the supervising loop to wait on.
-        self.joined: asyncio.Queue[tuple[int, Task]] = asyncio.Queue()
+        self.joined: asyncio.Queue[tuple[tuple[int, int], Task]] = asyncio.Queue()
         self.tasks: set[Task] = set()
 
     async def run(self, value: Any) -> Any:
@@ -95,7 +106,7 @@ class TreeRoot:
         for i in range(len(spec.inputs)):
             if i != spec.root:
                 t = asyncio.create_task(self._start_node(spec, i))
-                self.slot_of[t], self.current[i] = i, t
+                self.slot_of[t], self.current[i] = (i, 0), t
         own: asyncio.Task[ObjectBuffer] = asyncio.create_task(
             self.nodes.run(spec, spec.root, value)
         )
@@ -104,11 +115,11 @@ class TreeRoot:
         try:
             failed = await self._supervise(own)
         except BaseException:  # cancelled from outside
-            self.repair.closed = True
+            self.repair.handle(Closed())
             self._abort()
             raise
         finally:
-            self.repair.closed = True
+            self.repair.handle(Closed())
             self.reductions.roots.pop(self.rid, None)
             while not self.joined.empty():  # a replacement started after the loop's last look
                 _, late = self.joined.get_nowait()  # is of no use any more
@@ -134,6 +145,10 @@ class TreeRoot:
         failed: list[Task] = []
         while pending and not failed:
             own_ok = own.done() and not own.cancelled() and own.exception() is None
+            if own_ok:
+                # Every partial result reached the root: a node failing now
+                # (say, it hung up after sending) changes nothing.
+                self.repair.handle(Closed())
             timeout = stall if own_ok else None
             deadline = self.repair.next_deadline()
             if deadline is not None:
@@ -145,22 +160,13 @@ class TreeRoot:
             pending.discard(wake)
             if wake.done():
                 done.discard(wake)
-                new_slot, new_task = wake.result()
-                self.slot_of[new_task] = new_slot
+                node, new_task = wake.result()
+                self.slot_of[new_task] = node
                 self.tasks.add(new_task)
                 pending.add(new_task)
             else:
                 wake.cancel()
             failed = self._failures(done)
-            if own_ok and failed:
-                # The result was complete before this node's reply came:
-                # its failure (say, it hung up after sending) changes nothing.
-                logger.info(
-                    "reduction %s: a node failed after the result: %s",
-                    self.rid,
-                    [t.exception() for t in failed if t.done() and not t.cancelled()],
-                )
-                failed = []
             if not done and own_ok and not wake.done():
                 logger.info(
                     "reduction %s: %d node(s) did not confirm within %gs of the result",
@@ -173,27 +179,28 @@ class TreeRoot:
         return failed
 
     def _failures(self, done: set[Task]) -> list[Task]:
-        """Of the finished ``done``, those that failed and cannot wait for a
-        replacement, plus the dead nodes whose replacement came too late."""
+        """Of the finished ``done``, those that break the tree (the repair
+        state decides which node failures wait for a repair), plus the dead
+        nodes whose repair was not asked for in time."""
         failed = []
         now = time.monotonic()
         for t in done:
-            if t.cancelled() or t.exception() is None:
+            if t.cancelled() or (e := t.exception()) is None:
                 continue
-            e = t.exception()
-            at = self.slot_of.get(t)
-            if at is not None and self.current.get(at) is not t:
-                continue  # a node replaced already
-            if (
-                at is not None
-                and isinstance(e, NodeFailed)
-                and e.unreachable
-                and self.repair.refusal(at) is None
-            ):
-                self.repair.node_died(at, now)
+            node = self.slot_of.get(t)
+            if node is None:  # the root's own node
+                failed.append(t)
                 continue
-            failed.append(t)
-        return failed + [self.current[s] for s in self.repair.unrepaired(now)]
+            unreachable = isinstance(e, NodeFailed) and e.unreachable
+            for d in self.repair.handle(NodeLost(*node, unreachable=unreachable, now=now)):
+                assert isinstance(d, BreakTree), d
+                failed.append(t)
+            if self.repair.closed:
+                logger.info("reduction %s: node %d failed after the result: %s", self.rid, node[0], e)
+        for d in self.repair.handle(Tick(now)):
+            assert isinstance(d, BreakTree), d
+            failed += [self.current[s] for s in d.slots]
+        return failed
 
     def _clearest_error(self, failed: list[Task]) -> BaseException:
         errors = [t.exception() if t.done() and not t.cancelled() else None for t in failed]
@@ -241,65 +248,69 @@ class TreeRoot:
 
     async def replace(self, slot: int, offset: int, dead: str) -> dict[str, Any]:
         """RPC ``hoplite_reduce_replace`` (routed here by id): node ``slot`` on
-        worker ``dead`` broke its parent's stream at byte ``offset``. Start a
-        replacement where its input is (waiting while Dask recomputes it) and
-        return that worker's address; refuse if the node failed otherwise
-        than by its worker dying."""
-        repair = self.repair
-        why = repair.refusal(slot)
-        if why is None:
-            why = await self._why_not_dead(slot, dead)
-        if why is None:
-            why = repair.refusal(slot)  # the tree may have ended meanwhile
-        if why is not None:
-            logger.info("not replacing node %d of reduction %s: %s", slot, self.rid, why)
-            return {"status": "error", "message": why}
-        repair.begin(slot)
-        if self.spreader is not None:
-            self.spreader.dead_workers.add(dead)
-        try:
-            address = await self._holder_of(repair.spec.inputs[slot], avoid=dead)
-        except Exception as e:
-            repair.abandon(slot)
-            return {"status": "error", "message": f"{type(e).__name__}: {e}"}
-        if repair.closed:
-            repair.abandon(slot)
-            return {"status": "error", "message": f"reduction {self.rid} is no longer running"}
-        if self.spreader is not None:
-            reply = await self.spreader.repair(repair, slot, offset, address)
-            if reply is not None:
-                return reply
-        spec = repair.replaced(slot, address)
-        task = asyncio.create_task(self._start_node(spec, slot, offset))
-        self.current[slot] = task
-        self.joined.put_nowait((slot, task))
+        worker ``dead`` broke its parent's stream at byte ``offset``. Carries
+        out what the repair state decides, feeding it back what each step
+        observed, until it gives the reply: a replacement's address (started
+        where the input is, waiting while Dask recomputes it), the patches of
+        a spread, or a refusal."""
+        decisions = self.repair.handle(RepairAsked(slot, offset, dead))
+        while True:
+            [d] = decisions
+            if isinstance(d, Refuse):
+                logger.info("not repairing node %d of reduction %s: %s", slot, self.rid, d.reason)
+                return {"status": "error", "message": d.reason}
+            if isinstance(d, Replace):
+                return self._start_replacement(d, dead)
+            if isinstance(d, Patches):
+                return self.spreader.reply(self.repair.spec, d)
+            if isinstance(d, CheckNode):
+                event: Any = NodeChecked(slot, await self._node_failure(d))
+            elif isinstance(d, FindHolder):
+                try:
+                    holder = await self._holder_of(d.key, avoid=d.avoid)
+                except Exception as e:
+                    event = HolderMissing(slot, f"{type(e).__name__}: {e}")
+                else:
+                    event = HolderFound(slot, holder, self._load())
+            else:
+                assert isinstance(d, Spread), d
+                try:
+                    merged_from, adopted_from = await self.spreader.ask(self.repair.spec, d)
+                except Exception as e:
+                    logger.info("reduction %s: spreading node %d failed: %s", self.rid, slot, e)
+                    event = SpreadFailed(slot, f"{type(e).__name__}: {e}")
+                else:
+                    event = SpreadAnswered(slot, merged_from, adopted_from)
+            decisions = self.repair.handle(event)
+
+    def _start_replacement(self, d: Replace, dead: str) -> dict[str, Any]:
+        task = asyncio.create_task(self._start_node(d.spec, d.slot, d.offset))
+        self.current[d.slot] = task
+        self.joined.put_nowait(((d.slot, d.generation), task))
         logger.info(
             "reduction %s: node %d on %s died; replaced on %s from byte %d",
             self.rid,
-            slot,
+            d.slot,
             dead,
-            address,
-            offset,
+            d.address,
+            d.offset,
         )
-        return {"status": "OK", "address": address}
+        return {"status": "OK", "address": d.address}
 
     def _load(self) -> collections.Counter[str]:
         """Streams into each worker over every running tree of this tree's
         reduction (a reduce in parts runs one per segment, all rooted here)."""
         rid = self.repair.spec.reduction_rid
         roots = {self, *self.reductions.roots.values()}
-        return worker_load(
-            (r.spreader.live, r.repair.spec.addresses)
-            for r in roots
-            if isinstance(r, TreeRoot)
-            and r.spreader is not None
-            and r.repair.spec.reduction_rid == rid
+        return repair_load(
+            [r.repair for r in roots if isinstance(r, TreeRoot) and r.repair.spec.reduction_rid == rid]
         )
 
-    async def _why_not_dead(self, slot: int, dead: str) -> str | None:
-        """Why node ``slot`` does not count as dead (None: its worker died).
-        Its own call tells a dead worker (the call breaks) from a node that
-        failed on its own (it answers): wait for it, briefly."""
+    async def _node_failure(self, check: CheckNode) -> str | None:
+        """Why node ``check.slot`` does not count as dead (None: its worker
+        died). Its own call tells a dead worker (the call breaks) from a node
+        that failed on its own (it answers): wait for it, briefly."""
+        slot, dead = check.slot, check.dead
         task = self.current.get(slot)
         if task is not None:
             await asyncio.wait({task}, timeout=self.ctx.config.stall_timeout)
@@ -486,14 +497,3 @@ class ReduceRoots:
             inputs=tuple(keys[i] for i in order),
             addresses=tuple(addresses[i] for i in order),
         )
-
-    async def plan_rooted_at(
-        self, n: int, size: int, slot: int, addresses: list[str]
-    ) -> tuple[ReduceTree, list[int]]:
-        """A tree for ``n`` inputs of ``size`` bytes shaped by the measured
-        network, and the order of the inputs (held by ``addresses``) over its
-        positions that puts input ``slot`` at the root (the root's operand
-        must be local) and the inputs of one worker next to each other."""
-        net = await network_estimate(self.ctx.worker.scheduler)
-        plan = plan_reduce_tree(n, max_chain_length(size, net.bandwidth, net.latency))
-        return plan, colocated_order(plan.parent, addresses, slot)

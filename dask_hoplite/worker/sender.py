@@ -21,10 +21,10 @@ from dask_hoplite.core.protocol import StreamRequest, error_reply
 from dask_hoplite.core.reduce_spec import is_input_patch_key, is_partial_key
 from dask_hoplite.core.store import BufferState, ObjectBuffer
 from dask_hoplite.errors import ProtocolError
-from dask_hoplite.streams import send_stream, wait_progress
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import WorkerContext
 from dask_hoplite.worker.reductions import RunningReductions
+from dask_hoplite.worker.streams import send_stream, wait_progress
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,13 @@ from typing import Any
 from distributed import get_worker
 from distributed.worker import Worker
 
-from dask_hoplite.core.reduce_plan import PlanRequest
+from dask_hoplite.core.reduce_plan import (
+    AllreduceTree,
+    PlanRequest,
+    SegmentedAllreduce,
+    plan_from_msg,
+)
+from dask_hoplite.errors import NotRegistered
 from dask_hoplite.worker import planned_reduce
 from dask_hoplite.worker.context import PLUGIN_NAME, run_on_loop, secede_coroutine
 from dask_hoplite.worker.plugin import HopliteWorker, WorkerParts
@@ -24,10 +30,7 @@ def worker_part(w: Worker) -> WorkerParts:
     is not installed there."""
     plugin = w.plugins.get(PLUGIN_NAME)
     if not isinstance(plugin, HopliteWorker) or not plugin.running:
-        raise RuntimeError(
-            f"dask-hoplite's worker part is not installed on {w.address}: "
-            "register dask_hoplite.Hoplite() first"
-        )
+        raise NotRegistered.on_worker(w.address)
     return plugin.parts
 
 
@@ -46,24 +49,28 @@ async def run_reduce(plan: dict[str, Any]) -> Any:
     return await planned_reduce.run_plan(get_worker(), plan)
 
 
-def reduce_root(value: Any, spec: dict[str, Any]) -> Any:
-    """A reduction's root (runs on the root input's worker)."""
+def allreduce_root(value: Any, plan_msg: dict[str, Any]) -> Any:
+    """The root of an allreduce's tree (runs on the root input's worker)."""
     w = get_worker()
-    part = worker_part(w)
-    if spec.get("copies"):
-        return run_on_loop(w, part.allreduce.run_root, value, spec)
-    return run_on_loop(w, part.roots.run, value, spec)
+    plan = plan_from_msg(plan_msg)
+    assert isinstance(plan, AllreduceTree), plan
+    return run_on_loop(w, worker_part(w).allreduce.run_root, value, plan.spec.to_msg())
 
 
-def allreduce_copy(spec: dict[str, Any], j: int) -> Any:
-    """Allreduce copy ``j`` (runs on that copy's worker)."""
+def allreduce_copy(plan_msg: dict[str, Any], j: int) -> Any:
+    """Copy ``j`` of an allreduce's tree (runs on that copy's worker)."""
     w = get_worker()
-    return run_on_loop(w, worker_part(w).allreduce.run_copy, spec, j)
+    plan = plan_from_msg(plan_msg)
+    assert isinstance(plan, AllreduceTree), plan
+    return run_on_loop(w, worker_part(w).allreduce.run_copy, plan.spec.to_msg(), j)
 
 
-def allreduce_part(value: Any, specs: list[dict[str, Any]], i: int) -> Any:
+def allreduce_part(value: Any, plan_msg: dict[str, Any], i: int) -> Any:
     """Part ``i`` of a segmented allreduce (runs on the i-th worker)."""
     w = get_worker()
+    plan = plan_from_msg(plan_msg)
+    assert isinstance(plan, SegmentedAllreduce), plan
+    specs = [s.to_msg() for s in plan.specs]
     return run_on_loop(w, worker_part(w).allreduce.run_part, value, specs, i)
 
 

@@ -31,7 +31,7 @@ from dask_hoplite.core.protocol import (
     parse_block,
 )
 from dask_hoplite.core.store import BufferState, Layout, ObjectBuffer
-from dask_hoplite.errors import ProtocolError, StreamStalled
+from dask_hoplite.errors import ProtocolError, StreamStalled, TransferFailed
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +133,9 @@ async def wait_progress(buf: ObjectBuffer, threshold: int, timeout: float) -> No
             f"{buf.key!r} made no progress past byte {threshold} for {timeout:g}s"
         ) from None
     if buf.state is BufferState.FAILED:
-        raise RuntimeError(f"upstream copy of {buf.key!r} failed: {buf.error}")
+        raise TransferFailed(f"upstream copy of {buf.key!r} failed: {buf.error}")
     if buf.interrupted is not None and buf.progress <= threshold:
-        raise RuntimeError(f"upstream copy of {buf.key!r} stopped: {buf.interrupted}")
+        raise TransferFailed(f"upstream copy of {buf.key!r} stopped: {buf.interrupted}")
 
 
 async def send_stream(

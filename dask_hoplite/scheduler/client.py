@@ -18,6 +18,7 @@ from dask.typing import Key
 
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.network_model import NetworkEstimate, NetworkModel
+from dask_hoplite.errors import ReduceInputLost
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def raise_if_gone_for_good(states: dict[Key, str | None]) -> None:
     erred, forgotten or unknown (anything else is a recomputation under way)."""
     for key, state in states.items():
         if state in (None, "erred", "forgotten"):
-            raise RuntimeError(
+            raise ReduceInputLost(
                 f"input {key!r} of the reduction was lost and cannot be recomputed "
                 f"(scheduler state: {state or 'unknown'})"
             )
@@ -94,7 +95,7 @@ async def wait_for_holders(
             last, deadline = states, time.monotonic() + queue_timeout
         elif time.monotonic() > deadline:
             key = pending[0]
-            raise RuntimeError(
+            raise ReduceInputLost(
                 f"input {key!r} of the reduction has no usable holder "
                 f"(holders {sorted(who_has.get(key) or ())}, scheduler state "
                 f"{states.get(key)!r}) and nothing changed for {queue_timeout:g}s"

@@ -1,11 +1,16 @@
-"""Reversible replacements of Dask internals on a live scheduler.
+"""Reversible replacements of Dask internals on a live scheduler or worker.
 
-Each override of the scheduler part (:mod:`.replicate`, :mod:`.graph_rewrite`,
-:mod:`.amm`) replaces an attribute or a handler entry of an object it does not
-own. Undoing that by hand invites subtle differences (setting back a bound
-method as an instance attribute, removing an entry that was never ours); the
-two records here remember exactly what was there and put back exactly that,
-once. :class:`Override` is the shape the plugin expects of each override.
+Each override of the scheduler part (:mod:`dask_hoplite.scheduler.replicate`,
+:mod:`~dask_hoplite.scheduler.graph_rewrite`, :mod:`~dask_hoplite.scheduler.amm`)
+and of the worker part (``Worker.gather_dep``, the ``gather`` handler, the
+peer handlers, ``Worker.handle_stimulus``) replaces an attribute or a handler
+entry of an object it does not own. Undoing that by hand invites subtle
+differences (setting back a bound method as an instance attribute, removing an
+entry that was never ours, undoing someone else's replacement made after
+ours); the two records here remember exactly what was there and put back
+exactly that, once, and only while the value there is still ours. Each
+override is one record, so that it can be switched on or off on its own.
+:class:`Override` is the shape the scheduler plugin expects of each override.
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ class AttributePatch:
         self._obj: Any = obj
         self._name = name
         self._previous = vars(obj).get(name, _ABSENT)
+        self._value = value
         setattr(obj, name, value)
 
     def undo(self) -> None:
         obj, self._obj = self._obj, None
-        if obj is None:
-            return
+        if obj is None or vars(obj).get(self._name, _ABSENT) != self._value:
+            return  # undone already, or replaced after us: theirs stays
         if self._previous is _ABSENT:
             vars(obj).pop(self._name, None)
         else:
@@ -57,12 +63,13 @@ class ItemPatch:
         self._mapping: MutableMapping[str, Any] | None = mapping
         self._key = key
         self._previous = mapping.get(key, _ABSENT)
+        self._value = value
         mapping[key] = value
 
     def undo(self) -> None:
         mapping, self._mapping = self._mapping, None
-        if mapping is None:
-            return
+        if mapping is None or mapping.get(self._key, _ABSENT) != self._value:
+            return  # undone already, or replaced after us: theirs stays
         if self._previous is _ABSENT:
             mapping.pop(self._key, None)
         else:
