@@ -31,7 +31,7 @@ Variants:
 * ``mpi-tuned``: ``coll_tuned_use_dynamic_rules 1`` and forced algorithms for
   large messages on a bandwidth-bound network (numbering of Open MPI 4.1.4's
   ``ompi_info --param coll tuned --level 9``; picked by a trial at N=8,
-  256 MiB, 1 Gbit/s, see docs/benchmarks.md):
+  256 MiB, 1 Gbit/s, see docs/benchmark-log.md):
   ``TUNED_MCA`` below.
 
 Timing. Before every rep all ranks meet in a ``Barrier``; each rank measures

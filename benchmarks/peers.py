@@ -161,7 +161,7 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def format_markdown(rows: Sequence[dict]) -> str:
-    """The same table as Markdown (for docs/benchmarks.md)."""
+    """The same table as Markdown (for docs/benchmark-log.md)."""
     out = [
         "| operation | S | system | seconds | bound s | x bound | x dask | note |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |",

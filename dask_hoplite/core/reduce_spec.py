@@ -2,9 +2,9 @@
 tree receives, the keys of its partial results, and the checks an input must
 pass. Pure: no I/O, no event loop.
 
-A spec travels as a msgpack-able dict (:meth:`ReduceSpec.to_msg`) from the
-client that planned the tree (:mod:`dask_hoplite.collectives`) to the root's
-task and from the root to every node (:mod:`dask_hoplite.worker.reduce_node`).
+A spec is made by the planner (:mod:`dask_hoplite.core.reduce_plan`), inside
+a plan, and travels as a msgpack-able dict (:meth:`ReduceSpec.to_msg`) to the
+root's task and from the root to every node (:mod:`dask_hoplite.worker.reduce_node`).
 Slots index the inputs; ``parent[slot]`` is the slot a node streams its partial
 result to (None at the root).
 """

@@ -1,6 +1,8 @@
 """Allreduce of large objects on the workers: chains of copies and segments.
 
-Two shapes, both planned by :mod:`dask_hoplite.collectives`:
+Two shapes, both planned by :mod:`dask_hoplite.core.reduce_plan`
+(:class:`~dask_hoplite.core.reduce_plan.AllreduceTree`,
+:class:`~dask_hoplite.core.reduce_plan.SegmentedAllreduce`):
 
 * one reduce tree whose result streams, while it is being reduced, through a
   chain of *copies* (each copy streams the one before it; the first streams
