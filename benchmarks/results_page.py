@@ -213,7 +213,10 @@ def table(figures: Iterable[Figure]) -> list[str]:
         ours = [r for r in rows if r["op"] == fig.method]
         base = [r for r in rows if r["op"] == fig.baseline]
         if len(ours) != 1 or len(base) > 1:
-            raise ValueError(f"{fig.file}: {len(ours)} rows of {fig.method!r} for {fig.label!r}")
+            raise ValueError(
+                f"{fig.file}: {len(ours)} rows of {fig.method!r} and {len(base)} of "
+                f"{fig.baseline!r} for {fig.label!r} (one each expected)"
+            )
         r = ours[0]
         bound = r["bound_seconds"]
         warm, cold = warm_and_cold(r["all_seconds"])

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 
-import dask.array as da
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_array import spread, taken_over
 
 import dask_hoplite as dh
 from dask_hoplite.core.network_model import NetworkEstimate
@@ -75,7 +75,19 @@ def test_a_plan_reduces_exactly_the_chosen_inputs_on_the_worker_asked_for(case):
     specs = (
         list(plan.specs) if isinstance(plan, (SplitTrees, SegmentedAllreduce)) else [plan.spec]
     )
-    assert isinstance(plan, (SegmentedAllreduce, AllreduceTree) if allreduce else (Tree, SplitTrees))
+    kinds = (SegmentedAllreduce, AllreduceTree, Tree) if allreduce else (Tree, SplitTrees)
+    assert isinstance(plan, kinds)
+    if isinstance(plan, AllreduceTree):  # the result is copied to every other input's worker
+        copies = set(plan.spec.copies)
+        assert copies and copies | {plan.root} == set(plan.spec.addresses)
+    if isinstance(plan, SegmentedAllreduce):
+        # one segment rooted on each worker, at an input it holds; the others copy it
+        workers = list(dict.fromkeys(plan.specs[0].addresses))
+        assert plan.workers == workers and len(plan.specs) == len(workers)
+        for i, (spec, slot) in enumerate(zip(plan.specs, plan.roots, strict=True)):
+            assert spec.root == slot and spec.segment == (i, len(workers))
+            assert spec.addresses[slot] == workers[i]
+            assert set(spec.copies) == set(workers) - {workers[i]}
     for spec in specs:
         assert sorted(spec.inputs) == sorted(chosen)
         for slot, key in enumerate(spec.inputs):
@@ -128,6 +140,8 @@ def test_dict_inputs_are_reduced_leaf_by_leaf():
 def test_a_message_of_no_plan_is_refused():
     with pytest.raises(ValueError, match="not a reduction plan"):
         plan_from_msg({"type": "shuffle"})
+    with pytest.raises(ValueError, match="a 'one-task' plan message without 'worker'"):
+        plan_from_msg({"type": "one-task", "rid": "r", "op": "sum", "chosen": [], "spares": []})
 
 
 def test_every_path_gets_its_plan_from_the_planner(cluster_client, caplog):
@@ -136,15 +150,34 @@ def test_every_path_gets_its_plan_from_the_planner(cluster_client, caplog):
     so in its debug log."""
     c = cluster_client
     caplog.set_level(logging.DEBUG, logger="dask_hoplite.core.reduce_plan")
-    big = [c.submit(np.full, 4096, float(i), pure=False) for i in range(3)]  # 32 KiB each
+    workers = sorted(c.scheduler_info()["workers"])
+    big = [  # 32 KiB each, one per worker
+        c.submit(np.full, 4096, float(i), workers=[w], pure=False) for i, w in enumerate(workers)
+    ]
     small = [c.submit(np.full, 4, float(i), pure=False) for i in range(3)]
     assert dh.reduce(big).result().tolist() == [3.0] * 4096
     assert dh.reduce(small).result().tolist() == [3.0] * 4
     assert all(f.result().tolist() == [3.0] * 4096 for f in dh.allreduce(big))
-    x = da.ones((3 * 64, 1024), chunks=(64, 1024))  # three 512 KiB parts
-    assert x.sum(axis=0).compute().tolist() == [192.0] * 1024
+    before = taken_over(c)
+    x = spread(c, [np.full(4096, float(i)) for i in range(6)])  # parts on several workers
+    assert x.sum(axis=0).compute().tolist() == [15.0] * 4096
+    assert taken_over(c) == before + 1  # the aggregate ran as a reduce tree
     planned = [r.getMessage() for r in caplog.records if r.name.endswith("reduce_plan")]
     kinds = [m.split(": ")[1].split(" of")[0] for m in planned]
     assert kinds.count("one-task") == 1, planned
     assert kinds.count("tree") == 2, planned  # reduce, and the array's aggregate
-    assert sum(k in ("allreduce-tree", "segmented-allreduce") for k in kinds) == 1, planned
+    assert kinds.count("allreduce-tree") + kinds.count("segmented-allreduce") == 1, planned
+
+
+def test_the_input_in_hand_is_the_roots_and_its_key_stays_where_it_is_held():
+    """An allreduce's fallback reduces anew with the value it has in hand at
+    the root, on its own worker: other inputs of the same key stay on their
+    holders (the root's worker may only have fetched that value)."""
+    keys = ["a", "b", "a"]
+    who_has = {"a": [WORKERS[0]], "b": [WORKERS[1]]}
+    req = request(keys, to=WORKERS[5], root_input=0)
+    plan = plan_reduction(req, keys, who_has, dict.fromkeys(keys, 64 * MIN), NET)
+    assert isinstance(plan, Tree) and plan.root == WORKERS[5]
+    spec = plan.spec
+    assert spec.inputs[spec.root] == "a"
+    assert sorted(spec.addresses) == sorted([WORKERS[5], WORKERS[0], WORKERS[1]])

@@ -20,6 +20,7 @@ from dask_hoplite.core.tree_repair import (
     NodeLost,
     Patches,
     Refuse,
+    RepairAborted,
     RepairAsked,
     Replace,
     Spread,
@@ -192,6 +193,29 @@ def test_spread_mode_replaces_where_no_spread_is_possible_until_the_tree_changed
     assert isinstance(d, Refuse) and "could not be spread" in d.reason
 
 
+def test_a_spread_nodes_old_call_ending_late_changes_nothing():
+    r = TreeRepair(tree7(), budget=2, grace=5.0, mode="spread")
+    asked(r, 4)
+    r.handle(HolderFound(4, "tcp://w2:1", load={}))
+    r.handle(SpreadAnswered(4, merged_from=8000, adopted_from={0: 8000, 1: 8000}))
+    assert r.handle(NodeLost(4, 0, unreachable=True, now=1.0)) == []
+    assert r.handle(NodeLost(4, 0, unreachable=False, now=1.0)) == []
+    assert r.handle(Tick(1e9)) == []
+
+
+def test_a_request_that_ends_without_a_reply_lets_the_node_be_asked_for_again():
+    """The parent's request is cancelled midway (or a step raises): the node
+    is dead and unasked for again, so the grace deadline runs once more."""
+    r = TreeRepair(chain(), budget=2, grace=5.0)
+    r.handle(NodeLost(1, 0, unreachable=True, now=0.0))
+    asked(r, 1)  # waiting for a holder when the request is cancelled
+    assert r.handle(RepairAborted(1, now=10.0)) == []
+    assert not r.requests and r.next_deadline() == 15.0
+    assert r.handle(Tick(15.0)) == [BreakTree((1,))]
+    [find] = asked(r, 1)  # or its parent asks again in time
+    assert isinstance(find, FindHolder) and r.next_deadline() is None
+
+
 def test_a_spread_the_nodes_refuse_breaks_the_tree():
     r = TreeRepair(tree7(), budget=2, grace=5.0, mode="spread")
     asked(r, 4)
@@ -217,7 +241,7 @@ def runs(draw):
                 st.tuples(st.just("ask"), st.sampled_from(SLOTS), st.integers(0, 8000)),
                 st.tuples(st.just("tick"), st.floats(0, 100)),
                 st.tuples(st.just("close")),
-                st.tuples(st.just("answer"), st.integers(0, 10), st.integers(0, 3)),
+                st.tuples(st.just("answer"), st.integers(0, 10), st.integers(0, 4)),
             ),
             max_size=60,
         )
@@ -278,6 +302,10 @@ def test_every_request_gets_one_reply_and_repairs_stay_within_their_budget(run):
         elif waiting:
             _, which, outcome = step
             d = waiting.pop(which % len(waiting))
+            if outcome == 4 and d.slot in replies:  # the request is cancelled midway
+                take(r.handle(RepairAborted(d.slot, now)))
+                del replies[d.slot]
+                continue
             if isinstance(d, CheckNode):
                 event = NodeChecked(d.slot, None if outcome else "it answered")
             elif isinstance(d, FindHolder):

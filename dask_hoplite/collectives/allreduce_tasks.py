@@ -23,6 +23,7 @@ from dask_hoplite.core.reduce_plan import (
     OneTask,
     PlanRequest,
     SegmentedAllreduce,
+    Tree,
     plan_reduction,
 )
 from dask_hoplite.core.reduce_spec import reduce_values
@@ -62,7 +63,7 @@ async def plan_and_submit(client: Client, futures: list[Future], op: Any) -> lis
         return _allreduce_small(client, chosen, plan)
     if isinstance(plan, SegmentedAllreduce):
         return _allreduce_segmented(client, chosen, plan)
-    assert isinstance(plan, AllreduceTree), plan
+    assert isinstance(plan, (AllreduceTree, Tree)), plan
     return _allreduce_tree(client, chosen, plan)
 
 
@@ -79,14 +80,17 @@ async def _in_order_ready(futures: list[Future]) -> list[Future]:
     return ready
 
 
-def _allreduce_tree(client: Client, chosen: list[Future], plan: AllreduceTree) -> list[Future]:
+def _allreduce_tree(
+    client: Client, chosen: list[Future], plan: AllreduceTree | Tree
+) -> list[Future]:
     """Submit one reduce tree over ``chosen``: the root's task, then one
-    allreduce copy per other worker."""
+    allreduce copy per other worker (none for a :class:`Tree`: every input
+    is on the root's worker)."""
     spec = plan.spec
     future_of = {f.key: f for f in chosen}
     msg = plan.to_msg()
     result = client.submit(
-        tasks.allreduce_root,
+        tasks.allreduce_root if isinstance(plan, AllreduceTree) else tasks.tree_root,
         future_of[spec.inputs[spec.root]],
         msg,
         key=f"hoplite-reduce-{plan.op}-{spec.rid}",

@@ -9,7 +9,7 @@ events, returning decisions, with no sockets and no event loop inside.
 * :mod:`~dask_hoplite.core.reduce_plan`: how one reduction runs once its inputs are ready;
 * :mod:`~dask_hoplite.core.reduce_spec`: a reduce tree as data, and input checks;
 * :mod:`~dask_hoplite.core.reduce_ops`: the operators and their dtypes;
-* :mod:`~dask_hoplite.core.tree_repair`: a running tree's replacements of dead nodes;
+* :mod:`~dask_hoplite.core.tree_repair`: the repair state machine of a running tree;
 * :mod:`~dask_hoplite.core.tree_spread`: spreading a dead node over the live ones;
 * :mod:`~dask_hoplite.core.protocol`: the block-stream messages and flow-control window;
 * :mod:`~dask_hoplite.core.store`: the block store's buffers;

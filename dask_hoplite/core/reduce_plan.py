@@ -14,7 +14,8 @@ they are, how fast the network is) into a :class:`Plan`, one of:
 - :class:`SplitTrees`: a reduce in parts, each segment of the inputs up its
   own tree, all rooted on one worker, which joins them;
 - :class:`AllreduceTree`: a reduce tree whose result streams down a chain
-  of copies while it is produced;
+  of copies while it is produced (an allreduce whose inputs are all on one
+  worker has nothing to copy: a :class:`Tree`);
 - :class:`SegmentedAllreduce`: an allreduce as one reduce-then-broadcast
   pipeline per segment, each rooted on another worker.
 
@@ -67,7 +68,9 @@ class PlanRequest:
     the root). ``parts``: above 1, reduce that many segments, each up its own
     tree. ``allreduce``: the result is wanted on every worker holding an
     input. ``leaves``: the entries of dict inputs to reduce, each up its own
-    tree (``(None,)``: the inputs are arrays)."""
+    tree (``(None,)``: the inputs are arrays). ``root_input``: the index of
+    the chosen input whose value ``to`` has in hand (None: one ``to`` holds,
+    if any); it is the root's operand, whoever else holds its key."""
 
     rid: str
     op: str
@@ -81,6 +84,7 @@ class PlanRequest:
     allreduce: bool = False
     segment_min_bytes: int = 0
     leaves: tuple[str | None, ...] = (None,)
+    root_input: int | None = None
 
     @property
     def plan_key(self) -> str:
@@ -120,8 +124,10 @@ class _PlanBase:
     def _from_fields(cls, m: Mapping[str, Any]) -> Any:
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
+            if f.name not in m:
+                raise ValueError(f"a {cls.TAG!r} plan message without {f.name!r}")
             value = m[f.name]
-            if f.name in ("spec",):
+            if f.name == "spec":
                 value = ReduceSpec.from_msg(value)
             elif f.name == "specs":
                 value = tuple(ReduceSpec.from_msg(v) for v in value)
@@ -271,6 +277,9 @@ def _plan(
         if not holders:
             raise ReduceInputLost(f"input {key!r} of the reduction has no holder to plan with")
         addresses.append(req.to if req.to in holders else holders[0])
+    if req.root_input is not None:
+        assert req.to is not None, "root_input goes with to"
+        addresses[req.root_input] = req.to
     spares = list(req.inputs)
     for key in chosen:
         if key in spares:
@@ -296,6 +305,8 @@ def _plan(
         spec = tree_spec(req.rid, req.op, chosen, addresses, net, size, req.block_bytes)
         root = spec.addresses[spec.root]
         copies = tuple(sorted(set(spec.addresses) - {root}))
+        if not copies:  # every input on one worker: a plain (restartable) tree
+            return Tree(**base, spec=spec)
         return AllreduceTree(**base, spec=dataclasses.replace(spec, copies=copies))
     if req.parts > 1 and len(distinct) >= 3:
         root_input = addresses.index(req.to) if req.to in addresses else 0
@@ -305,7 +316,9 @@ def _plan(
             req.rid, req.op, chosen, addresses, root_input, req.parts, req.block_bytes
         )
         return SplitTrees(**base, specs=tuple(specs))
-    spec = tree_spec(req.rid, req.op, chosen, addresses, net, size, req.block_bytes, req.to)
+    spec = tree_spec(
+        req.rid, req.op, chosen, addresses, net, size, req.block_bytes, req.to, req.root_input
+    )
     return Tree(**base, spec=spec, leaves=req.leaves)
 
 
@@ -318,15 +331,18 @@ def tree_spec(
     size: int,
     block_bytes: int,
     to: str | None = None,
+    root_input: int | None = None,
 ) -> ReduceSpec:
     """One reduce tree over ``keys`` (held by ``addresses``) shaped by the
     network estimate, with the inputs of one worker next to each other (their
     combination then crosses no NIC); the input at the root's position stays
-    there. With ``to``, the root is on worker ``to``: with an input ``to``
-    holds when there is one, else with the first input (which ``to`` then
-    fetches before the tree starts)."""
+    there. With ``to``, the root is on worker ``to``: with input
+    ``root_input`` if given, else with an input ``to`` holds when there is
+    one, else with the first input (which ``to`` then fetches before the
+    tree starts)."""
     plan = plan_reduce_tree(len(keys), max_chain_length(size, net.bandwidth, net.latency))
-    root_input = addresses.index(to) if to in addresses else plan.root
+    if root_input is None:
+        root_input = addresses.index(to) if to in addresses else plan.root
     order = colocated_order(plan.parent, list(addresses), root_input)
     ordered = [addresses[i] for i in order]
     if to is not None:

@@ -26,6 +26,7 @@ HolderFound             :class:`Refuse`, :class:`Replace`, :class:`Spread`
 HolderMissing           :class:`Refuse`
 SpreadAnswered          :class:`Patches`
 SpreadFailed            :class:`Refuse`
+RepairAborted           nothing; the node waits for a request again
 Tick                    :class:`BreakTree` (dead nodes nobody asked for)
 Closed                  nothing; every later request is refused
 ======================  =====================================================
@@ -114,6 +115,16 @@ class SpreadFailed:
 
 
 @dataclass(frozen=True)
+class RepairAborted:
+    """The repair of node ``slot`` under way ended without a reply (the
+    parent's request was cancelled, or a step raised): the node counts as
+    dead and unasked for again."""
+
+    slot: int
+    now: float
+
+
+@dataclass(frozen=True)
 class Tick:
     now: float
 
@@ -131,6 +142,7 @@ Event = (
     | HolderMissing
     | SpreadAnswered
     | SpreadFailed
+    | RepairAborted
     | Tick
     | Closed
 )
@@ -277,6 +289,10 @@ class TreeRepair:
             return [self._refuse(event.slot, event.error)]
         if isinstance(event, SpreadAnswered):
             return self._spread_answered(event)
+        if isinstance(event, RepairAborted):
+            if self.requests.pop(event.slot, None) is not None and not self.closed:
+                self.dead.setdefault(event.slot, event.now + self.grace)
+            return []
         if isinstance(event, Tick):
             late = sorted(s for s, deadline in self.dead.items() if deadline <= event.now)
             return [BreakTree(tuple(late))] if late and not self.closed else []
@@ -312,8 +328,8 @@ class TreeRepair:
         return None
 
     def _node_lost(self, e: NodeLost) -> list[Decision]:
-        if self.closed or not self.is_current(e.slot, e.generation):
-            return []  # the result is complete, or the node was replaced already
+        if self.closed or not self.is_current(e.slot, e.generation) or e.slot in self.spread_slots:
+            return []  # the result is complete, or the node was replaced or spread already
         if e.unreachable and self._refusal(e.slot) is None:
             if e.slot not in self.requests:
                 self.dead.setdefault(e.slot, e.now + self.grace)

@@ -166,13 +166,13 @@ class Allreduce:
                 key = spec.inputs[slot]
                 who_has = await w.scheduler.who_has(keys=[key])
                 [value] = await self.fetch_parts([key], {key: list(who_has.get(key) or [])})
-        held_by = list(spec.addresses)
-        held_by[slot] = w.address
         order = [slot, *(i for i in range(n) if i != slot)]  # ``value``'s input first
         keys = [spec.inputs[i] for i in order]
         holders: dict[Key, list[str]] = {}
-        for i in order:
-            holders.setdefault(spec.inputs[i], []).append(held_by[i])
+        for i in order:  # where the plan had each input, and this worker where it holds one
+            holders.setdefault(spec.inputs[i], []).append(spec.addresses[i])
+            if spec.inputs[i] in w.data:
+                holders[spec.inputs[i]].append(w.address)
         size = int(getattr(value, "nbytes", 0) or 0)
         req = PlanRequest(
             rid=uuid.uuid4().hex,
@@ -182,6 +182,7 @@ class Allreduce:
             min_bytes=0,  # a tree whatever the size: the copies wait on its root
             block_bytes=spec.block_bytes,
             to=w.address,
+            root_input=0,  # ``value`` is this input's
         )
         net = await network_estimate(w.scheduler)
         plan = plan_reduction(req, keys, holders, dict.fromkeys(keys, size), net)

@@ -21,7 +21,6 @@ it; Dask's own :class:`~distributed.KilledWorker` is raised as it is.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from dask.typing import Key
@@ -44,8 +43,6 @@ from dask_hoplite.errors import NotRegistered, ReduceInputLost
 from dask_hoplite.scheduler.client import METADATA_KEY
 from dask_hoplite.worker.context import PLUGIN_NAME
 from dask_hoplite.worker.receiver import get_data_or_reschedule
-
-logger = logging.getLogger(__name__)
 
 
 def _worker_part(w: Worker) -> Any:
@@ -79,7 +76,6 @@ async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
         chosen, who_has, nbytes = await _first_ready_without_plugin(w, keys, k)
     plan = plan_reduction(req, chosen, who_has, nbytes, net)
     await w.scheduler.set_restrictions(worker={req.result: [plan.root]})
-    logger.debug("reduction %s: %s over %s, root %s", req.rid, plan.TAG, chosen, plan.root)
     return plan.to_msg()
 
 

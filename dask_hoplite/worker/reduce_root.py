@@ -1,9 +1,10 @@
 """The root of a reduce tree, on the worker that holds the root's input.
 
 :class:`TreeRoot` is one running tree: it starts every other node with the
-``hoplite_reduce_node`` RPC, runs the root's own node, replaces a node whose
+``hoplite_reduce_node`` RPC, runs the root's own node, repairs a node whose
 worker died (a parent asks with ``hoplite_reduce_replace``, which the plugin
-routes here by reduction id), and on the first failure it cannot repair
+routes here by reduction id) as its :class:`~dask_hoplite.core.tree_repair.TreeRepair`
+decides, replacing or spreading it, and on the first failure it cannot repair
 aborts the whole tree and raises the clearest error.
 
 :class:`ReduceRoots` runs a reduction on this worker: a plain reduction whose
@@ -41,6 +42,7 @@ from dask_hoplite.core.tree_repair import (
     NodeLost,
     Patches,
     Refuse,
+    RepairAborted,
     RepairAsked,
     Replace,
     Spread,
@@ -253,14 +255,23 @@ class TreeRoot:
         observed, until it gives the reply: a replacement's address (started
         where the input is, waiting while Dask recomputes it), the patches of
         a spread, or a refusal."""
-        decisions = self.repair.handle(RepairAsked(slot, offset, dead))
+        try:
+            return await self._carry_out(RepairAsked(slot, offset, dead))
+        except BaseException:  # cancelled, or a step failed unexpectedly
+            self.repair.handle(RepairAborted(slot, time.monotonic()))
+            raise
+
+    async def _carry_out(self, asked: RepairAsked) -> dict[str, Any]:
+        """Carry out the decisions of repair request ``asked`` until its reply."""
+        slot = asked.slot
+        decisions = self.repair.handle(asked)
         while True:
             [d] = decisions
             if isinstance(d, Refuse):
                 logger.info("not repairing node %d of reduction %s: %s", slot, self.rid, d.reason)
                 return {"status": "error", "message": d.reason}
             if isinstance(d, Replace):
-                return self._start_replacement(d, dead)
+                return self._start_replacement(d, asked.dead)
             if isinstance(d, Patches):
                 return self.spreader.reply(self.repair.spec, d)
             if isinstance(d, CheckNode):

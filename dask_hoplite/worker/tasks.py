@@ -17,6 +17,7 @@ from dask_hoplite.core.reduce_plan import (
     AllreduceTree,
     PlanRequest,
     SegmentedAllreduce,
+    Tree,
     plan_from_msg,
 )
 from dask_hoplite.errors import NotRegistered
@@ -47,6 +48,14 @@ async def plan_reduce(req: PlanRequest) -> dict[str, Any]:
 async def run_reduce(plan: dict[str, Any]) -> Any:
     """The result task of a reduction: runs ``plan`` on the root's worker."""
     return await planned_reduce.run_plan(get_worker(), plan)
+
+
+def tree_root(value: Any, plan_msg: dict[str, Any]) -> Any:
+    """The root of a plain reduce tree (runs on the root input's worker)."""
+    w = get_worker()
+    plan = plan_from_msg(plan_msg)
+    assert isinstance(plan, Tree), plan
+    return run_on_loop(w, worker_part(w).roots.run, value, plan.spec.to_msg())
 
 
 def allreduce_root(value: Any, plan_msg: dict[str, Any]) -> Any:
