@@ -38,7 +38,10 @@ from dask.utils import format_bytes, parse_bytes  # noqa: E402
 from benchmarks import mpi_peers  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 
-METHODS = ("dask", "hoplite", "dask-replicate", "hoplite-replicate")
+#: "hoplite": tasks on every receiver that share the dependency (the
+#: transparent path); "hoplite-collective": dask_hoplite.broadcast(x) with
+#: its defaults (hoplite.broadcast.parts).
+METHODS = ("dask", "hoplite", "hoplite-collective", "dask-replicate", "hoplite-replicate")
 MPI_METHODS = mpi_peers.BROADCAST_METHODS
 
 
@@ -138,10 +141,10 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
                     )
                     for w in holders
                 ]
-            elif "-parts" in method:
+            elif "-parts" in method or method == "hoplite-collective":
                 # dask_hoplite.broadcast(x, parts=k): cut on the holder, each
-                # part down its own tree, joined on each receiver.
-                k = int(method.rsplit("-parts", 1)[1])
+                # part down its own tree, joined on each receiver (k > 1).
+                k = int(method.rsplit("-parts", 1)[1]) if "-parts" in method else None
                 copies = dask_hoplite.broadcast(x, workers=receivers, parts=k)
                 got = [
                     client.submit(

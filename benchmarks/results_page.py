@@ -279,11 +279,14 @@ def applications_table(src: Source = APPLICATIONS) -> list[str]:
 #: The simulation shown.
 SIMULATION = Source(
     "simulation-1024-pooled.json",
-    "python benchmarks/simulate.py --fit-workers 8 16 --parts 1 8 --reduce-repair replace spread",
+    "python benchmarks/simulate.py --fit-workers 8 16 --parts auto 1 8 "
+    "--reduce-repair replace spread",
     "the flow-level simulator (`benchmarks/simulator/`), calibrated on every emulated run "
-    "pooled; `hoplite` is the default shape (one chain or tree), `parts8` is `parts=8` (not "
-    "the default), `spread` the spread repair; scenario (b): the ratio to the last arrival "
-    "plus S/B in brackets; deterministic, no repetitions; 2026-12-02",
+    "pooled; `auto` is the default, the shape the library's planner chooses "
+    "(`core/shape_choice.py`), `hoplite` one chain or tree, `parts8` `parts=8`, `spread` the "
+    "spread repair; a broadcast in parts includes its join (a copy of S at 10 GB/s) and "
+    "cut tasks; scenario (b): the ratio to the last arrival plus S/B in brackets; "
+    "deterministic, no repetitions; 2026-12-03",
 )
 
 

@@ -6,8 +6,12 @@ cluster, then run where the emulation cannot go: 1,024 workers at 10 Gbit/s.
     python benchmarks/simulate.py --calibrate benchmarks/results/scaling.json
 
     # the 1,024-worker table (calibrated on the default measurement files first,
-    # their runs pooled per configuration; here fitted at N = 8 and 16 only)
-    python benchmarks/simulate.py --fit-workers 8 16 --parts 1 8 \
+    # their runs pooled per configuration; here fitted at N = 8 and 16 only),
+    # in as many parts as the library's planner chooses (core/shape_choice.py)
+    python benchmarks/simulate.py --fit-workers 8 16 --out benchmarks/results/simulation-1024
+
+    # beside given part counts, and both repairs of a dead reduce node
+    python benchmarks/simulate.py --fit-workers 8 16 --parts auto 1 8 \
         --reduce-repair replace spread --out benchmarks/results/simulation-1024-pooled
 
 Scenarios for a broadcast from one worker to all others and a reduce of one
@@ -17,6 +21,12 @@ arriving (inputs becoming ready) uniformly at random over ``--spread`` seconds;
 dying at random times within the middle 80% of the run (a). Each is reported in
 seconds and as a ratio to S/B; (b) also to (last arrival + S/B), since no
 receiver can finish before it arrived plus S/B.
+
+A broadcast in parts pays what the real one does besides its streams: the
+join of the parts into one object on every receiver (a copy of S at
+``--copy-rate``) and the ``parts + 2`` tasks that cut the object first
+(:data:`~dask_hoplite.core.shape_choice.TASK_SECONDS` each). A reduce in parts
+makes each segment in its place in the result: nothing more.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from benchmarks.simulator.params import Cluster, Overheads, address  # noqa: E40
 from benchmarks.simulator.reduce import HopliteReduce, SplitReduce, dask_reduce  # noqa: E402
 from benchmarks.simulator.spread_repair import SpreadReduce  # noqa: E402
 from dask_hoplite.config import REDUCE_REPAIRS, resolve_repair  # noqa: E402
+from dask_hoplite.core.shape_choice import COPY_RATE, TASK_SECONDS, choose_parts  # noqa: E402
 
 #: One simulated run: (arrivals, failures) -> outcome.
 Run = Callable[[Mapping[str, float] | None, Mapping[str, float] | None], Outcome]
@@ -132,15 +143,42 @@ def _fill(row: Row, out: Outcome, t0: float, last_arrival: float = 0.0) -> Row:
     return row
 
 
+def planned_parts(collective: str, n: int, size: float, cluster: Cluster) -> int:
+    """The parts the library's planner chooses for this run, given what its
+    network model would measure: the per-host rate and the hop latency."""
+    return choose_parts(
+        "broadcast" if collective == "broadcast" else "reduce",
+        n,
+        int(size),
+        cluster.rate,
+        cluster.overheads.hop_latency,
+        cluster.block_bytes,
+    )
+
+
+def split_costs(out: Outcome, size: float, parts: int, copy_rate: float) -> Outcome:
+    """``out`` of a broadcast with what it pays in ``parts`` besides its streams:
+    the join (a copy of the object; free if ``copy_rate`` is 0) and the
+    tasks that cut the object before any stream starts. A reduce in parts
+    pays nothing more (each segment is made in its place in the result)."""
+    if parts > 1:
+        extra = (size / copy_rate if copy_rate > 0 else 0.0) + (parts + 2) * TASK_SECONDS
+        out.seconds += extra
+        out.finish = {w: t + extra for w, t in out.finish.items()}
+    return out
+
+
 def _broadcast(
     cluster: Cluster,
     n: int,
     size: float,
     parts: int,
+    copy_rate: float,
     arrivals: dict[str, float] | None,
     failures: dict[str, float] | None,
 ) -> Outcome:
-    return hoplite_broadcast(cluster, n, size, arrivals, failures, parts=parts)
+    out = hoplite_broadcast(cluster, n, size, arrivals, failures, parts=parts)
+    return split_costs(out, size, parts, copy_rate)
 
 
 def _reduce(
@@ -160,6 +198,12 @@ def _reduce(
     return SplitReduce(
         cluster, n, size, parts, tree_class=tree_class, seed=seed, recompute=recompute
     ).run(arrivals, failures)
+
+
+def _method(parts: int, asked: str) -> str:
+    """A run's method label: its parts, and "auto" where the planner chose."""
+    label = "hoplite" if parts == 1 else f"hoplite-parts{parts}"
+    return f"{label}-auto" if asked == "auto" else label
 
 
 def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
@@ -188,14 +232,21 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
             row, t0 = _row(collective, method, label, n, size, cluster)
             rows.append(_fill(row, run(None, fails), t0))
 
-    for parts in args.parts if "broadcast" in args.collectives else ():
+    def each_parts(collective: str) -> list[tuple[int, str]]:
+        out = []
+        for asked in args.parts if collective in args.collectives else ():
+            parts = planned_parts(collective, n, size, cluster) if asked == "auto" else int(asked)
+            out.append((parts, asked))
+        return out
+
+    for parts, asked in each_parts("broadcast"):
         runs(
             "broadcast",
-            partial(_broadcast, cluster, n, size, parts),
+            partial(_broadcast, cluster, n, size, parts, args.copy_rate),
             workers[1:],
-            "hoplite" if parts == 1 else f"hoplite-parts{parts}",
+            _method(parts, asked),
         )
-    for parts in args.parts if "reduce" in args.collectives else ():
+    for parts, asked in each_parts("reduce"):
         if parts == 1:
             plan = HopliteReduce(cluster, n, size)
             root = plan.host_of_node_before_start(plan.tree.root)
@@ -204,7 +255,7 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
         resolved = [resolve_repair(r, in_parts=parts > 1) for r in args.reduce_repair]
         for repair in dict.fromkeys(resolved):  # each repair once, in order
             run: Run = partial(_reduce, cluster, n, size, parts, args.seed, repair, args.recompute)
-            method = "hoplite" if parts == 1 else f"hoplite-parts{parts}"
+            method = _method(parts, asked)
             method += "" if repair == "replace" else f"-{repair}"
             runs("reduce", run, [w for w in workers if w != root], method)
     if args.dask:
@@ -266,6 +317,12 @@ def plot(rows: list[Row], path: str, overheads: Overheads) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _parts(value: str) -> str:
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"parts must be 'auto' or a positive int, got {value!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calibrate", nargs="+", metavar="RESULTS.json", help="fit and compare only")
@@ -291,9 +348,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--parts",
         nargs="+",
-        type=int,
-        default=[1],
-        help="broadcast / reduce in this many parts (split trees); one run per value",
+        type=_parts,
+        default=["auto"],
+        help="broadcast / reduce in this many parts (split trees), or 'auto' (the default: "
+        "as many as the library's planner chooses, core/shape_choice.py); one run per value",
+    )
+    p.add_argument(
+        "--copy-rate",
+        type=float,
+        default=COPY_RATE,
+        help="bytes/s of the join of parts into one object (default: the planner's "
+        "assumption); 0: joins cost nothing",
     )
     p.add_argument(
         "--reduce-repair",

@@ -47,6 +47,17 @@ def _get(key: str) -> Any:
     return dask.config.get(f"hoplite.{key}", default=default)
 
 
+def _parts(name: str) -> int | None:
+    """A ``parts`` setting: "auto" (None) or a positive int."""
+    if _auto(name):
+        return None
+    value = _get(name)
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+        raise ValueError(f"hoplite.{name} must be 'auto' or a positive int, got {value!r}")
+    return int(text)
+
+
 def _auto(key: str) -> bool:
     value = _get(key)
     return value is None or (isinstance(value, str) and value.strip().lower() == "auto")
@@ -100,9 +111,9 @@ class HopliteConfig:
     array_reductions: bool
     array_max_inputs: int
     bag_reductions: bool
-    broadcast_parts: int
+    broadcast_parts: int | None  # None: "auto" (core/shape_choice.py)
     plan_wait: float
-    reduce_parts: int
+    reduce_parts: int | None  # None: "auto" (core/shape_choice.py)
     #: How a running reduce tree repairs a dead node: "replace", "spread", or
     #: "auto" (spread in a reduce in parts, replace in one tree):
     #: :meth:`repair_for`.
@@ -128,12 +139,8 @@ class HopliteConfig:
             raise ValueError(
                 f"hoplite.window-bytes ({window}) must be at least hoplite.block-bytes ({block})"
             )
-        parts = int(_get("broadcast.parts"))
-        if parts < 1:
-            raise ValueError(f"hoplite.broadcast.parts must be >= 1, got {parts}")
-        reduce_parts = int(_get("reduce.parts"))
-        if reduce_parts < 1:
-            raise ValueError(f"hoplite.reduce.parts must be >= 1, got {reduce_parts}")
+        parts = _parts("broadcast.parts")
+        reduce_parts = _parts("reduce.parts")
         repair = str(_get("reduce.repair"))
         if repair not in REDUCE_REPAIRS:
             raise ValueError(

@@ -391,6 +391,8 @@ async def test_a_reduce_in_parts_runs_one_tree_per_segment(c, s, *workers):
     from dask_hoplite.collectives.futures import INPUTS_ATTR
     from dask_hoplite.core.reduce_plan import SplitTrees, plan_from_msg
 
+    from dask_hoplite.worker import reduce_root
+
     await c.register_plugin(Hoplite())
     xs = [
         c.submit(np.full, 100_003, float(i + 1), workers=[w.address], pure=False)
@@ -398,9 +400,22 @@ async def test_a_reduce_in_parts_runs_one_tree_per_segment(c, s, *workers):
     ]
     await wait(xs)
     to = workers[3].address
-    result = await asyncio.to_thread(dh.reduce, xs, "sum", None, to, 3)
-    got = await result
+    in_place: list[bool] = []
+    join = reduce_root.join_segments
+
+    def spy(shape, specs, segments, out=None):
+        in_place.extend(out is not None and np.shares_memory(s, out) for s in segments)
+        return join(shape, specs, segments, out)
+
+    reduce_root.join_segments = spy
+    try:
+        result = await asyncio.to_thread(dh.reduce, xs, "sum", None, to, 3)
+        got = await result
+    finally:
+        reduce_root.join_segments = join
     np.testing.assert_array_equal(got, np.full(100_003, float(sum(range(1, 8)))))
+    # Each segment's root made its result in its place: no copy to join them.
+    assert in_place == [True, True, True]
     plan = plan_from_msg(await getattr(result, INPUTS_ATTR))
     assert isinstance(plan, SplitTrees) and plan.root == to and len(plan.specs) == 3
     for spec in plan.specs:

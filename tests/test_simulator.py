@@ -477,3 +477,37 @@ def test_the_simulation_repairs_as_the_library_does_by_default(tmp_path):
     methods = {r["method"] for r in rows if r["scenario"].startswith("c")}
     assert methods == {"hoplite", "hoplite-parts2-spread"}
     assert all(r["repairs"] >= 1 for r in rows if r["scenario"].startswith("c"))
+
+
+def test_by_default_the_simulation_runs_the_shape_the_library_s_planner_chooses(tmp_path):
+    """Without --parts the simulator asks core/shape_choice.py, as the
+    library does: one chain or tree at 8 workers, split trees at 512 (faster
+    there than one chain or tree), and a broadcast in parts pays its join."""
+    from benchmarks import simulate
+    from dask_hoplite.core.shape_choice import COPY_RATE, choose_parts
+
+    def run(n, *extra):
+        out = str(tmp_path / f"sim-{n}")
+        simulate.main(
+            [
+                "--workers", str(n), "--size", "256MiB", "--gbit", "10", "--scenarios", "a",
+                "--no-dask", "--hop-latency", "0.001", "--out", out, *extra,
+            ]
+        )  # fmt: skip
+        with open(out + ".json") as f:
+            data = json.load(f)
+        rate = 10e9 / 8 * data["overheads"]["efficiency"]
+        return rate, {(r["collective"], r["method"]): r for r in data["rows"]}
+
+    _, small = run(8)
+    assert set(small) == {("broadcast", "hoplite-auto"), ("reduce", "hoplite-auto")}
+    rate, big = run(512, "--parts", "auto", "1")
+    for collective in ("broadcast", "reduce"):
+        parts = choose_parts(collective, 512, 256 * MiB, rate, 0.001, Cluster.block_bytes)
+        assert parts > 1
+        auto = big[collective, f"hoplite-parts{parts}-auto" + ("-spread" if collective == "reduce" else "")]
+        assert auto["seconds"] < big[collective, "hoplite"]["seconds"]
+    _, free = run(512, "--copy-rate", "0", "--collectives", "broadcast")
+    [(_, method)] = free
+    with_join = big["broadcast", method]["seconds"]
+    assert with_join - free["broadcast", method]["seconds"] == pytest.approx(256 * MiB / COPY_RATE)

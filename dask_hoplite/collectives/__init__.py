@@ -59,11 +59,13 @@ from dask_hoplite.worker import tasks
 logger = logging.getLogger(__name__)
 
 
-def _parts_arg(collective: str, parts: Any, default: int) -> int:
-    """``parts`` (``default`` if None), checked: a positive int."""
-    parts = default if parts is None else parts
+def _parts_arg(collective: str, parts: Any, default: int | None) -> int | None:
+    """``parts`` (``default`` if None), checked: a positive int, or None for
+    "auto" (:mod:`dask_hoplite.core.shape_choice` decides on the cluster)."""
+    if parts is None or parts == "auto":
+        return default
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        raise ValueError(f"{collective} parts must be a positive int, got {parts!r}")
+        raise ValueError(f"{collective} parts must be a positive int or 'auto', got {parts!r}")
     return parts
 
 
@@ -91,7 +93,10 @@ def reduce(
 
     ``parts`` (default ``hoplite.reduce.parts``): above 1, each of that many segments of
     the inputs is reduced up its own tree (the split-tree broadcast's trees, upwards: each
-    host takes in and sends the object once, depth about log(hosts)); the root joins them.
+    host takes in and sends the object once, depth about log(hosts)), each segment made in
+    its place in the result on the root.
+    "auto": as many as :func:`~dask_hoplite.core.shape_choice.choose_parts` predicts
+    fastest for the chosen inputs' workers, size and network (decided on the cluster).
     """
     client = client_of(inputs)
     futures = as_futures(client, inputs)
@@ -162,17 +167,34 @@ def broadcast(
     (:mod:`dask_hoplite.core.split_trees`), and each worker joins them. The
     depth grows as log(workers) instead of one hop per worker, for a copy of
     the object on each receiver (joining) and a cut on the holder (a view for
-    a contiguous array, pickling otherwise).
+    a contiguous array, pickling otherwise). "auto": as many as
+    :func:`~dask_hoplite.core.shape_choice.choose_parts` predicts fastest for
+    the receivers' hosts, the object's size and the network, decided on the
+    scheduler once the object exists (broadcast waits for it then); with an
+    asynchronous client, one part.
     """
-    parts = _parts_arg("broadcast", parts, HopliteConfig.from_dask_config().broadcast_parts)
+    cfg = HopliteConfig.from_dask_config()
+    parts = _parts_arg("broadcast", parts, cfg.broadcast_parts)
     client = client_of([future])
     [f] = as_futures(client, [future])
     if workers is None:
         workers = worker_addresses(client)
     if not workers:
         raise ValueError("broadcast needs at least one worker")
-    if parts > 1 and len(workers) > 2 and client.sync(hoplite_registered, client):
-        return split_broadcast(client, f, list(workers), parts)
+    if parts is None and client.asynchronous:
+        parts = 1
+    if parts != 1 and len(workers) > 2 and client.sync(hoplite_registered, client):
+        if parts is None:
+            shape = client.sync(
+                client.scheduler.hoplite_broadcast_parts,  # type: ignore[union-attr]
+                key=f.key,
+                receivers=list(workers),
+                min_bytes=cfg.min_bytes,
+                block_bytes=cfg.block_bytes,
+            )
+            parts = int(shape["parts"])
+        if parts > 1:
+            return split_broadcast(client, f, list(workers), parts)
     return [
         client.submit(identity, f, workers=[w], allow_other_workers=False, pure=False)
         for w in workers

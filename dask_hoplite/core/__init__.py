@@ -6,6 +6,7 @@ events, returning decisions, with no sockets and no event loop inside.
 * :mod:`~dask_hoplite.core.split_trees`: a split-tree broadcast's trees, one per part;
 * :mod:`~dask_hoplite.core.object_parts`: cutting an object into parts and joining them;
 * :mod:`~dask_hoplite.core.planner`: the shape of a reduce tree;
+* :mod:`~dask_hoplite.core.shape_choice`: one tree or split trees, and how many parts;
 * :mod:`~dask_hoplite.core.reduce_plan`: how one reduction runs once its inputs are ready;
 * :mod:`~dask_hoplite.core.reduce_spec`: a reduce tree as data, and input checks;
 * :mod:`~dask_hoplite.core.reduce_ops`: the operators and their dtypes;

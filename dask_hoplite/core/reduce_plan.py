@@ -12,7 +12,9 @@ they are, how fast the network is) into a :class:`Plan`, one of:
   the worker holding the root's input; inputs that are dicts of arrays are
   reduced leaf by leaf (``leaves``), one tree per leaf;
 - :class:`SplitTrees`: a reduce in parts, each segment of the inputs up its
-  own tree, all rooted on one worker, which joins them;
+  own tree, all rooted on one worker, which joins them; how many parts, by
+  default, :func:`~dask_hoplite.core.shape_choice.choose_parts` decides from
+  the inputs' workers, their size and the network;
 - :class:`AllreduceTree`: a reduce tree whose result streams down a chain
   of copies while it is produced (an allreduce whose inputs are all on one
   worker has nothing to copy: a :class:`Tree`);
@@ -44,6 +46,7 @@ from dask.typing import Key
 from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
 from dask_hoplite.core.reduce_spec import ReduceSpec, segment_rid
+from dask_hoplite.core.shape_choice import choose_parts
 from dask_hoplite.core.split_trees import split_tree_parents
 from dask_hoplite.errors import ReduceInputLost
 
@@ -66,7 +69,8 @@ class PlanRequest:
     ``result``: the key of a reduction's result task (None where there is
     none). ``to``: the worker the result must be on (None: the planner picks
     the root). ``parts``: above 1, reduce that many segments, each up its own
-    tree. ``allreduce``: the result is wanted on every worker holding an
+    tree; None: as many as :func:`~dask_hoplite.core.shape_choice.choose_parts`
+    picks for the chosen inputs' workers, size and network. ``allreduce``: the result is wanted on every worker holding an
     input. ``leaves``: the entries of dict inputs to reduce, each up its own
     tree (``(None,)``: the inputs are arrays). ``root_input``: the index of
     the chosen input whose value ``to`` has in hand (None: one ``to`` holds,
@@ -80,7 +84,7 @@ class PlanRequest:
     block_bytes: int
     result: Key | None = None
     to: str | None = None
-    parts: int = 1
+    parts: int | None = 1
     allreduce: bool = False
     segment_min_bytes: int = 0
     leaves: tuple[str | None, ...] = (None,)
@@ -308,12 +312,17 @@ def _plan(
         if not copies:  # every input on one worker: a plain (restartable) tree
             return Tree(**base, spec=spec)
         return AllreduceTree(**base, spec=dataclasses.replace(spec, copies=copies))
-    if req.parts > 1 and len(distinct) >= 3:
+    parts = req.parts
+    if parts is None:
+        parts = choose_parts(
+            "reduce", len(distinct), size, net.bandwidth, net.latency, req.block_bytes
+        )
+    if parts > 1 and len(distinct) >= 3:
         root_input = addresses.index(req.to) if req.to in addresses else 0
         if req.to is not None and req.to not in addresses:
             addresses[root_input] = req.to  # ``to`` fetches that input first
         specs = split_tree_specs(
-            req.rid, req.op, chosen, addresses, root_input, req.parts, req.block_bytes
+            req.rid, req.op, chosen, addresses, root_input, parts, req.block_bytes
         )
         return SplitTrees(**base, specs=tuple(specs))
     spec = tree_spec(

@@ -157,8 +157,19 @@ def join_segments(
     flat = np.empty(count, dtype=segments[0].dtype) if out is None else out
     for spec, seg in zip(specs, segments, strict=True):
         lo, hi = dataclasses.replace(spec, shape=shape).bounds()
-        flat[lo:hi] = np.asarray(seg).reshape(-1)
+        seg = np.asarray(seg).reshape(-1)
+        if not _same_bytes(flat[lo:hi], seg):  # a segment made in place is not copied
+            flat[lo:hi] = seg
     return flat.reshape(shape)
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """``a`` and ``b`` are the same memory, as the same values."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    )
 
 
 def partial_key(rid: str, slot: int) -> tuple[str, str, int]:

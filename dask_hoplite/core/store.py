@@ -170,8 +170,10 @@ class ObjectBuffer:
         buf.state = BufferState.COMPLETE
         return buf
 
-    def allocate(self, layout: Layout) -> None:
-        """Receiving side: the sender told us the layout; allocate once."""
+    def allocate(self, layout: Layout, memory: np.ndarray | None = None) -> None:
+        """Receiving side: the sender told us the layout; allocate once (from
+        the pool, or ``memory``: a flat uint8 array of exactly the layout's
+        size that the caller owns, e.g. a slice of a larger result)."""
         if self.layout is not None:
             if self.layout != layout:
                 raise LayoutChanged(
@@ -180,8 +182,13 @@ class ObjectBuffer:
                     f"{layout.identity or '?'})"
                 )
             return
+        if memory is not None and (memory.dtype != np.uint8 or memory.shape != (layout.nbytes,)):
+            raise ValueError(
+                f"memory for {self.key!r} must be {layout.nbytes} uint8 bytes, "
+                f"got {memory.dtype} of shape {memory.shape}"
+            )
         self.layout = layout
-        self._array = self.pool.allocate(layout.nbytes)
+        self._array = self.pool.allocate(layout.nbytes) if memory is None else memory
         mv = memoryview(self._array)  # type: ignore[arg-type]
         self._frames = [mv[a:b] for a, b in layout.frame_bounds()]
         self.state = BufferState.RECEIVING

@@ -82,11 +82,20 @@ class ReduceNodes:
         #: The nodes running here, by (reduction id, slot).
         self.running: dict[tuple[str, int], _RunningNode] = {}
 
-    async def run(self, spec: ReduceSpec, slot: int, value: Any, offset: int = 0) -> ObjectBuffer:
+    async def run(
+        self,
+        spec: ReduceSpec,
+        slot: int,
+        value: Any,
+        offset: int = 0,
+        into: np.ndarray | None = None,
+    ) -> ObjectBuffer:
         """Combine node ``slot``'s input with its children's streams into its
         partial buffer (announced in the store, so the parent can stream it as
         it fills). Returns the completed buffer. A node replacing a dead one
-        starts at ``offset``, the byte its parent reached."""
+        starts at ``offset``, the byte its parent reached. ``into``: the
+        bytes the buffer is made of, where they fit its layout (a segment's
+        place in the whole result, for the root of a reduce in parts)."""
         store = self.ctx.store
         op: ReduceOp = resolve_op(spec.op)
         rdt = op.result_dtype(np.dtype(spec.dtype))
@@ -106,7 +115,9 @@ class ReduceNodes:
         self.reductions.announced(key)
         try:
             own = _operand(value, spec, slot, rdt)
-            acc.allocate(result_layout(spec.node_shape(), rdt))
+            layout = result_layout(spec.node_shape(), rdt)
+            fits = into is not None and layout.lengths == (into.size,)
+            acc.allocate(layout, into if fits else None)
             repair = functools.partial(self.repair_child, spec)
             job = NodeJob(self.ctx, spec, children, op, rdt, own, acc, block, repair, offset)
             self.running[spec.rid, slot] = _RunningNode(spec, rdt, block, acc, job)

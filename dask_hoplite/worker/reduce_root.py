@@ -73,11 +73,14 @@ class TreeRoot:
         reductions: RunningReductions,
         nodes: ReduceNodes,
         spec: ReduceSpec,
+        into: np.ndarray | None = None,
     ) -> None:
         self.ctx = ctx
         self.reductions = reductions
         self.nodes = nodes
         self.rid = spec.rid
+        #: The bytes the root's result is made in (None: pooled memory).
+        self.into = into
         #: Decides every repair of this tree; this object carries them out.
         #: A split reduce's segment trees are repaired too; an allreduce is
         #: not. Dead nodes are spread (``hoplite.reduce.repair``: spread, or
@@ -110,7 +113,7 @@ class TreeRoot:
                 t = asyncio.create_task(self._start_node(spec, i))
                 self.slot_of[t], self.current[i] = (i, 0), t
         own: asyncio.Task[ObjectBuffer] = asyncio.create_task(
-            self.nodes.run(spec, spec.root, value)
+            self.nodes.run(spec, spec.root, value, into=self.into)
         )
         self.tasks = {*self.slot_of, own}
         self.reductions.roots[self.rid] = self
@@ -377,18 +380,35 @@ class ReduceRoots:
         specs = [ReduceSpec.from_msg(m) for m in spec_msgs]
         rid, n = specs[0].reduction_rid, len(specs[0].inputs)
         t0 = time.monotonic()
+        # Each segment's root writes into its place in one result: no join.
+        shape = np.shape(value)
+        flat: np.ndarray | None = None
+        places: list[np.ndarray | None] = [None] * len(specs)
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+            rdt = resolve_op(specs[0].op).result_dtype(value.dtype)
+            flat = self.ctx.store.pool.allocate(math.prod(shape) * rdt.itemsize).view(rdt)
+            places = [
+                flat[slice(*dataclasses.replace(s, shape=shape).bounds())].view(np.uint8)
+                for s in specs
+            ]
         try:
-            done = await all_or_cancel((self._reduce(value, s) for s in specs), "reduce segment")
+            done = await all_or_cancel(
+                (self._reduce(value, s, p) for s, p in zip(specs, places, strict=True)),
+                "reduce segment",
+            )
         except Exception:
             self._ended(rid, n, "reduce", "failed", t0)
             raise
-        result = join_segments(np.shape(value), specs, [r for r, _ in done])
+        result = join_segments(shape, specs, [r for r, _ in done], out=flat)
         outcome = "restarted" if any(restarted for _, restarted in done) else "ok"
         self._ended(rid, n, "reduce", outcome, t0, result.nbytes)
         return result
 
-    async def _reduce(self, value: Any, spec: ReduceSpec) -> tuple[Any, bool]:
-        """The result of tree ``spec``, and whether it was restarted."""
+    async def _reduce(
+        self, value: Any, spec: ReduceSpec, into: np.ndarray | None = None
+    ) -> tuple[Any, bool]:
+        """The result of tree ``spec``, and whether it was restarted; made in
+        the bytes ``into`` if given (and they fit)."""
         ctx = self.ctx
         root = spec.root
         value = check_input(value, spec.inputs[root])
@@ -399,7 +419,7 @@ class ReduceRoots:
         failed: set[str] = set()  # workers that did not answer their node's call
         for attempt in range(ctx.config.max_resumes + 1):
             try:
-                result = await self._attempt(spec, value)
+                result = await self._attempt(spec, value, into)
                 break
             except ReduceInputError:
                 raise
@@ -435,14 +455,14 @@ class ReduceRoots:
             }
         )
 
-    async def _attempt(self, spec: ReduceSpec, value: Any) -> Any:
+    async def _attempt(self, spec: ReduceSpec, value: Any, into: np.ndarray | None = None) -> Any:
         # With allreduce copies, the first one streams the root's partial result
         # while it fills: hold it until that copy has all of it (and only then
         # finish a mean in place). Registered before the node runs, so that a
         # copy finishing early is not missed.
         key = spec.partial_key(spec.root)
         async with self.reductions.held_until_sent(key, hold=bool(spec.copies)):
-            return await TreeRoot(self.ctx, self.reductions, self.nodes, spec).run(value)
+            return await TreeRoot(self.ctx, self.reductions, self.nodes, spec, into).run(value)
 
     async def _restart(self, spec: ReduceSpec, error: Exception, avoid: set[str]) -> ReduceSpec:
         logger.warning(
