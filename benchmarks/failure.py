@@ -10,6 +10,11 @@ Scenarios (N worker hosts, objects of S bytes, per-host bandwidth B):
 * ``broadcast-source``  the same, killing w0, the only complete copy: x is
   recomputed from its task (deterministic, so the partial copies resume; the
   recompute time is measured alone and reported). Goal: recompute + 1.5 S/B.
+* ``broadcast-ranges``  like ``broadcast-relay``, but every consumer is
+  submitted at once (one graph, as ``dask_hoplite.broadcast`` does), so that
+  the directory may split x into byte ranges (``hoplite.broadcast.ranges``);
+  w1, an inner node of the first range's tree, is SIGKILLed at half of S/B
+  and the receivers below it resume that range from the byte they reached.
 * ``broadcast-retire``  like ``broadcast-relay``, but w1 is retired with
   ``client.retire_workers`` instead of killed: nothing may be lost and the
   receivers below it resume rather than restart.
@@ -47,7 +52,14 @@ from dask.utils import format_bytes, parse_bytes  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 from dask_hoplite.config import REDUCE_REPAIRS, resolve_repair  # noqa: E402
 
-SCENARIOS = ("broadcast-relay", "broadcast-source", "reduce", "broadcast-retire", "reduce-parts")
+SCENARIOS = (
+    "broadcast-relay",
+    "broadcast-source",
+    "reduce",
+    "broadcast-retire",
+    "reduce-parts",
+    "broadcast-ranges",
+)
 METHODS = ("hoplite", "dask")
 
 # Runs inside the scheduler host's namespace: prints START when the
@@ -92,7 +104,14 @@ if scenario.startswith("broadcast"):
         retirer = threading.Thread(target=retire)
         retirer.start()
     consumers = []
-    for w in ws[1:]:
+    if scenario == "broadcast-ranges":
+        import dask
+        from dask import delayed
+        for w in ws[1:]:
+            with dask.annotate(workers=[w], allow_other_workers=True):
+                consumers.append(delayed(fingerprint, pure=False)(x))
+        consumers = c.compute(consumers, optimize_graph=False)
+    for w in ws[1:] if scenario != "broadcast-ranges" else ():
         consumers.append(
             c.submit(fingerprint, x, workers=[w], allow_other_workers=True, pure=False)
         )
@@ -135,6 +154,7 @@ if method == "hoplite":
     out["tree_repairs"] = sum(s.get("reduce-repairs", 0) for s in stats.values())
     out["tree_restarts"] = sum(s.get("reduce-restarts", 0) for s in stats.values())
     out["adopted"] = sum(s.get("partial-copies-adopted", 0) for s in stats.values())
+    out["ranged"] = sum(s.get("keys-received-in-ranges", 0) for s in stats.values())
     events = [e for _, e in c.get_events("hoplite")]
     out["events"] = sorted({e["action"] for e in events})
     out["spreads"] = [
@@ -176,6 +196,8 @@ class Outcome:
     parts: int = 0  # the segments of reduce-parts
     #: Why workers refused stream requests (a refusal can restart a tree).
     refusals: tuple[str, ...] = ()
+    #: Receivers that fetched the key in byte ranges.
+    ranged: int = 0
 
     @property
     def x_bound(self) -> float:
@@ -189,6 +211,7 @@ def victim_of(scenario: str) -> str:
         "reduce": "w1",
         "reduce-parts": "w1",
         "broadcast-retire": "w1",
+        "broadcast-ranges": "w1",
     }[scenario]
 
 
@@ -282,13 +305,14 @@ def run_one(
         _repair_used(scenario, method, (env or {}).get("DASK_HOPLITE__REDUCE__REPAIR", "")),
         parts if scenario == "reduce-parts" else 0,
         tuple(out.get("refusals", ())),
+        int(out.get("ranged", 0)),
     )
 
 
 def goal(o: Outcome) -> str:
     if not o.killed:
         return ""
-    if o.scenario in ("broadcast-relay", "broadcast-retire"):
+    if o.scenario in ("broadcast-relay", "broadcast-retire", "broadcast-ranges"):
         return f"<= 2.00 S/B: {'yes' if o.time <= 2 * o.bound else 'NO'}"
     if o.scenario == "broadcast-source":
         ok = o.time <= o.compute + 1.5 * o.bound

@@ -109,6 +109,20 @@ def check(x: np.ndarray) -> tuple[int, float, float]:
     return int(x.size), float(x[0]), float(x[-1])
 
 
+def plan_shape(client, result) -> str:
+    """The plan a ``dh.reduce`` result ran: its type, parts, and the network
+    estimate the planner had (bandwidth, latency)."""
+    from dask_hoplite.collectives.futures import INPUTS_ATTR
+
+    plan = client.gather(getattr(result, INPUTS_ATTR))
+    net = client.sync(client.scheduler.hoplite_network)
+    parts = len(plan["specs"]) if "specs" in plan else 1
+    return (
+        f"{plan['type']}({parts}) at {net['bandwidth'] / 1e6:.0f} MB/s, "
+        f"{net['latency'] * 1e3:.1f} ms"
+    )
+
+
 def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
     import dask.array as da
     import dask.bag as db
@@ -124,6 +138,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
     cpu: list[float] = []
     ok, note = True, ""
     roles = [f"w{i}" for i in range(ec.n_workers)]
+    shapes: list[str] = []
     with Client(ec.scheduler_address, timeout=60) as client:
         if method.startswith("hoplite"):
             client.register_plugin(dh.Hoplite())
@@ -195,6 +210,8 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
                 got = client.submit(check, total, pure=False).result()
             if got != (size // 8, expected, expected):
                 ok, note = False, f"WRONG RESULT {got}"
+            if method == "hoplite" or "-parts" in method:
+                shapes.append(plan_shape(client, total))
             times.append(dt)
             ingress.append(max(b - a for a, b in zip(rx0, rx1, strict=True)))
             cpu.append((c1 - c0) / dt / (os.cpu_count() or 1) * 100)
@@ -202,6 +219,9 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
             time.sleep(0.5)
     ec.stop_dask()
     warm = times[1:] or times
+    if shapes and ok:  # the plans the planner chose, and the network it saw
+        counts = ", ".join(f"{s} x{shapes.count(s)}" for s in dict.fromkeys(shapes))
+        note = f"plans: {counts}"
     return Result(
         method,
         ec.n_workers,

@@ -283,9 +283,10 @@ SIMULATION = Source(
     "--reduce-repair replace spread",
     "the flow-level simulator (`benchmarks/simulator/`), calibrated on every emulated run "
     "pooled; `auto` is the default, the shape the library's planner chooses "
-    "(`core/shape_choice.py`), `hoplite` one chain or tree, `parts8` `parts=8`, `spread` the "
-    "spread repair; a broadcast in parts includes its join (a copy of S at 10 GB/s) and "
-    "cut tasks; scenario (b): the ratio to the last arrival plus S/B in brackets; "
+    "(`core/shape_choice.py`; a broadcast split by the directory into byte ranges), "
+    "`hoplite` one chain or tree, `parts8` `parts=8` (a broadcast cut into 8 keys, its "
+    "join on every receiver, a copy of S at 10 GB/s, and cut tasks included), `spread` the "
+    "spread repair; scenario (b): the ratio to the last arrival plus S/B in brackets; "
     "deterministic, no repetitions; 2026-12-03",
 )
 

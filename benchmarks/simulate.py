@@ -22,11 +22,14 @@ dying at random times within the middle 80% of the run (a). Each is reported in
 seconds and as a ratio to S/B; (b) also to (last arrival + S/B), since no
 receiver can finish before it arrived plus S/B.
 
-A broadcast in parts pays what the real one does besides its streams: the
-join of the parts into one object on every receiver (a copy of S at
-``--copy-rate``) and the ``parts + 2`` tasks that cut the object first
-(:data:`~dask_hoplite.core.shape_choice.TASK_SECONDS` each). A reduce in parts
-makes each segment in its place in the result: nothing more.
+By default (``--parts auto``) the shape is the one the library chooses
+(:func:`~dask_hoplite.core.shape_choice.choose_parts`): a broadcast in parts
+is then the directory's split of the key into byte ranges, received into one
+buffer. A broadcast with a given number of parts is ``dask_hoplite.broadcast(x,
+parts=k)``, which pays besides its streams the join of the parts on every
+receiver (a copy of S at ``--copy-rate``) and the ``k + 2`` tasks that cut the
+object first (:data:`TASK_SECONDS` each). A reduce in parts makes each segment
+in its place in the result: nothing more.
 """
 
 from __future__ import annotations
@@ -52,13 +55,20 @@ from benchmarks.simulator.params import Cluster, Overheads, address  # noqa: E40
 from benchmarks.simulator.reduce import HopliteReduce, SplitReduce, dask_reduce  # noqa: E402
 from benchmarks.simulator.spread_repair import SpreadReduce  # noqa: E402
 from dask_hoplite.config import REDUCE_REPAIRS, resolve_repair  # noqa: E402
-from dask_hoplite.core.shape_choice import COPY_RATE, TASK_SECONDS, choose_parts  # noqa: E402
+from dask_hoplite.core.shape_choice import choose_parts  # noqa: E402
 
 #: One simulated run: (arrivals, failures) -> outcome.
 Run = Callable[[Mapping[str, float] | None, Mapping[str, float] | None], Outcome]
 #: How a dead reduce node is repaired, by name (``--reduce-repair``).
 REPAIRS: dict[str, type[HopliteReduce]] = {"replace": HopliteReduce, "spread": SpreadReduce}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+#: Bytes per second a receiver of ``dask_hoplite.broadcast(x, parts=k)`` joins
+#: the parts at (``np.concatenate`` into warm memory: 11-16 GB/s measured on
+#: the development machine, taken lower).
+COPY_RATE = 10e9
+#: Seconds each task that cuts the object costs that broadcast (Dask's
+#: overhead per task is of the order of a millisecond).
+TASK_SECONDS = 1e-3
 #: Result files that copy rows of others (counting them would count runs twice).
 DERIVED = {"scaling-calibration.json"}
 #: Every result file on record: the entries the simulator models are pooled per
@@ -157,10 +167,10 @@ def planned_parts(collective: str, n: int, size: float, cluster: Cluster) -> int
 
 
 def split_costs(out: Outcome, size: float, parts: int, copy_rate: float) -> Outcome:
-    """``out`` of a broadcast with what it pays in ``parts`` besides its streams:
-    the join (a copy of the object; free if ``copy_rate`` is 0) and the
-    tasks that cut the object before any stream starts. A reduce in parts
-    pays nothing more (each segment is made in its place in the result)."""
+    """``out`` of ``dask_hoplite.broadcast(x, parts)`` with what it pays
+    besides its streams: the join (a copy of the object; free if
+    ``copy_rate`` is 0) and the tasks that cut the object before any stream
+    starts."""
     if parts > 1:
         extra = (size / copy_rate if copy_rate > 0 else 0.0) + (parts + 2) * TASK_SECONDS
         out.seconds += extra
@@ -174,11 +184,12 @@ def _broadcast(
     size: float,
     parts: int,
     copy_rate: float,
+    cut: bool,
     arrivals: dict[str, float] | None,
     failures: dict[str, float] | None,
 ) -> Outcome:
     out = hoplite_broadcast(cluster, n, size, arrivals, failures, parts=parts)
-    return split_costs(out, size, parts, copy_rate)
+    return split_costs(out, size, parts, copy_rate) if cut else out
 
 
 def _reduce(
@@ -240,9 +251,10 @@ def scenarios(args: argparse.Namespace, overheads: Overheads) -> list[Row]:
         return out
 
     for parts, asked in each_parts("broadcast"):
+        cut = 0.0 if asked == "auto" else args.copy_rate  # ranges, or cut and joined
         runs(
             "broadcast",
-            partial(_broadcast, cluster, n, size, parts, args.copy_rate),
+            partial(_broadcast, cluster, n, size, parts, cut, asked != "auto"),
             workers[1:],
             _method(parts, asked),
         )
@@ -357,8 +369,8 @@ def main(argv: list[str] | None = None) -> None:
         "--copy-rate",
         type=float,
         default=COPY_RATE,
-        help="bytes/s of the join of parts into one object (default: the planner's "
-        "assumption); 0: joins cost nothing",
+        help="bytes/s of the join of parts into one object by a broadcast with a given "
+        "number of parts (default: 10 GB/s); 0: joins cost nothing",
     )
     p.add_argument(
         "--reduce-repair",

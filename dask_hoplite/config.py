@@ -112,6 +112,7 @@ class HopliteConfig:
     array_max_inputs: int
     bag_reductions: bool
     broadcast_parts: int | None  # None: "auto" (core/shape_choice.py)
+    broadcast_ranges: int | None  # None: "auto" (core/shape_choice.py)
     plan_wait: float
     reduce_parts: int | None  # None: "auto" (core/shape_choice.py)
     #: How a running reduce tree repairs a dead node: "replace", "spread", or
@@ -140,6 +141,7 @@ class HopliteConfig:
                 f"hoplite.window-bytes ({window}) must be at least hoplite.block-bytes ({block})"
             )
         parts = _parts("broadcast.parts")
+        ranges = _parts("broadcast.ranges")
         reduce_parts = _parts("reduce.parts")
         repair = str(_get("reduce.repair"))
         if repair not in REDUCE_REPAIRS:
@@ -175,6 +177,7 @@ class HopliteConfig:
             array_max_inputs=max_inputs,
             bag_reductions=bool(_get("bag.reductions")),
             broadcast_parts=parts,
+            broadcast_ranges=ranges,
             plan_wait=_seconds("broadcast.plan-wait"),
             reduce_parts=reduce_parts,
             reduce_repair=repair,

@@ -390,7 +390,6 @@ async def test_a_reduce_in_parts_runs_one_tree_per_segment(c, s, *workers):
     import dask_hoplite as dh
     from dask_hoplite.collectives.futures import INPUTS_ATTR
     from dask_hoplite.core.reduce_plan import SplitTrees, plan_from_msg
-
     from dask_hoplite.worker import reduce_root
 
     await c.register_plugin(Hoplite())

@@ -41,6 +41,19 @@ def test_receivers_below_a_dead_relay_resume_from_the_byte_they_reached(ec):
 
 
 @pytest.mark.timeout(300)
+def test_a_range_whose_relay_died_resumes_from_the_byte_it_reached(ec):
+    """A key split into byte ranges (forced: 2, on 4 hosts) loses an inner
+    node of a range's tree: the receivers below it resume that range from
+    another holder, the others stream on; nothing restarts."""
+    env = {**ENV, "DASK_HOPLITE__BROADCAST__RANGES": "2"}
+    o = run_one(ec, "broadcast-ranges", "hoplite", SIZE, kill=True, env=env)
+    assert o.ok, o
+    assert o.ranged >= 2, o  # the survivors below w1 received x in ranges
+    assert o.resumes >= 1 and o.restarts == 0, o
+    assert o.bytes_resumed > 0, o
+
+
+@pytest.mark.timeout(300)
 def test_a_lost_source_is_recomputed_and_partial_copies_resume(ec):
     o = run_one(ec, "broadcast-source", "hoplite", SIZE, kill=True, env=ENV)
     assert o.ok, o

@@ -138,9 +138,10 @@ SMALL = {
 }
 
 
-async def _broadcast_keys(c, s, workers, x):
-    """The keys the directory streamed for ``dh.broadcast(x)`` with its
-    defaults, and the copies (checked)."""
+async def _broadcast_records(c, s, workers, x, **kw):
+    """The directory records that streamed ``x`` to every worker, by tasks
+    that share it as a dependency (what ``dh.broadcast(x)`` submits), and
+    the copies (checked)."""
     directory = s.plugins["hoplite"].directory
     keys = []
     start = directory._start
@@ -151,24 +152,19 @@ async def _broadcast_keys(c, s, workers, x):
 
     directory._start = spy
     ws = [w.address for w in workers]
-    copies = await c.gather(await asyncio.to_thread(dh.broadcast, x, ws))
+    copies = await c.gather(await asyncio.to_thread(dh.broadcast, x, ws, **kw))
     for got in copies:
         np.testing.assert_array_equal(got, np.arange(600_000, dtype="f8"))
     directory._start = start
-    return set(keys)
+    return keys
 
 
 @gen_cluster(client=True, nthreads=SEVEN_HOSTS, config=SMALL, timeout=60)
-async def test_broadcast_by_default_is_a_chain_on_seven_fast_hosts(c, s, *workers):
+async def test_broadcast_by_default_is_one_chain_on_seven_fast_hosts(c, s, *workers):
     await c.register_plugin(Hoplite())
     x = c.submit(np.arange, 600_000, dtype="f8", workers=[workers[0].address])
     await wait(x)
-    ws = [w.address for w in workers]
-    shape = await c.scheduler.hoplite_broadcast_parts(
-        key=x.key, receivers=ws, min_bytes=64 * 2**10, block_bytes=64 * 2**10
-    )
-    assert shape == {"parts": 1, "nbytes": 4_800_000, "hosts": 7}
-    assert await _broadcast_keys(c, s, workers, x) == {x.key}
+    assert set(await _broadcast_records(c, s, workers, x)) == {x.key}
 
 
 @gen_cluster(
@@ -178,11 +174,24 @@ async def test_broadcast_by_default_is_a_chain_on_seven_fast_hosts(c, s, *worker
     config={**SMALL, "hoplite.reduce.latency": "1s", "hoplite.reduce.bandwidth": "100 MB"},
     timeout=60,
 )
-async def test_broadcast_by_default_splits_where_the_planner_says_so(c, s, *workers):
+async def test_a_key_many_workers_wait_for_travels_in_byte_ranges(c, s, *workers):
+    from dask_hoplite.core.byte_ranges import range_key
+
     await c.register_plugin(Hoplite())
     expected = choose_parts("broadcast", 7, 4_800_000, 100e6, 1.0, 64 * 2**10)
     assert expected > 1
-    # A pending object: the choice waits for its size.
     x = c.submit(np.arange, 600_000, dtype="f8", workers=[workers[0].address])
-    keys = await _broadcast_keys(c, s, workers, x)
-    assert len(keys) == expected and x.key not in keys
+    await wait(x)
+    records = await _broadcast_records(c, s, workers, x)
+    ranges = [range_key(x.key, j, expected) for j in range(expected)]
+    # Each of the 6 other workers took every range once, each range down a
+    # tree: no cut, no extra tasks, no join (one task per worker).
+    assert sorted(records, key=str) == sorted(ranges * 6, key=str)
+    assert len(s.tasks) == 1 + 7
+    # The worker's copy serves on: a later task on another worker finds it.
+    directory = s.plugins["hoplite"].directory
+    assert directory.ranges == {x.key: expected}
+    del x
+    while directory.objects:  # released by Dask: every range record goes
+        await asyncio.sleep(0.01)
+    assert directory.ranges == {}

@@ -482,9 +482,11 @@ def test_the_simulation_repairs_as_the_library_does_by_default(tmp_path):
 def test_by_default_the_simulation_runs_the_shape_the_library_s_planner_chooses(tmp_path):
     """Without --parts the simulator asks core/shape_choice.py, as the
     library does: one chain or tree at 8 workers, split trees at 512 (faster
-    there than one chain or tree), and a broadcast in parts pays its join."""
+    there than one chain or tree). A broadcast the planner splits is received
+    in byte ranges, one buffer; one cut by dask_hoplite.broadcast(parts=k)
+    pays its join and its cut tasks besides."""
     from benchmarks import simulate
-    from dask_hoplite.core.shape_choice import COPY_RATE, choose_parts
+    from dask_hoplite.core.shape_choice import choose_parts
 
     def run(n, *extra):
         out = str(tmp_path / f"sim-{n}")
@@ -502,12 +504,17 @@ def test_by_default_the_simulation_runs_the_shape_the_library_s_planner_chooses(
     _, small = run(8)
     assert set(small) == {("broadcast", "hoplite-auto"), ("reduce", "hoplite-auto")}
     rate, big = run(512, "--parts", "auto", "1")
+    chosen = {}
     for collective in ("broadcast", "reduce"):
-        parts = choose_parts(collective, 512, 256 * MiB, rate, 0.001, Cluster.block_bytes)
+        parts = chosen[collective] = choose_parts(
+            collective, 512, 256 * MiB, rate, 0.001, Cluster.block_bytes
+        )
         assert parts > 1
         auto = big[collective, f"hoplite-parts{parts}-auto" + ("-spread" if collective == "reduce" else "")]
         assert auto["seconds"] < big[collective, "hoplite"]["seconds"]
-    _, free = run(512, "--copy-rate", "0", "--collectives", "broadcast")
-    [(_, method)] = free
-    with_join = big["broadcast", method]["seconds"]
-    assert with_join - free["broadcast", method]["seconds"] == pytest.approx(256 * MiB / COPY_RATE)
+    k = chosen["broadcast"]
+    _, cut = run(512, "--parts", str(k), "--collectives", "broadcast")
+    ranges = big["broadcast", f"hoplite-parts{k}-auto"]["seconds"]
+    joined = cut["broadcast", f"hoplite-parts{k}"]["seconds"]
+    costs = 256 * MiB / simulate.COPY_RATE + (k + 2) * simulate.TASK_SECONDS
+    assert joined - ranges == pytest.approx(costs)

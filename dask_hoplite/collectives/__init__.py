@@ -37,6 +37,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import dask
+from dask import delayed
 from distributed import Client, Future
 
 from dask_hoplite.collectives import allreduce_tasks
@@ -167,11 +169,10 @@ def broadcast(
     (:mod:`dask_hoplite.core.split_trees`), and each worker joins them. The
     depth grows as log(workers) instead of one hop per worker, for a copy of
     the object on each receiver (joining) and a cut on the holder (a view for
-    a contiguous array, pickling otherwise). "auto": as many as
-    :func:`~dask_hoplite.core.shape_choice.choose_parts` predicts fastest for
-    the receivers' hosts, the object's size and the network, decided on the
-    scheduler once the object exists (broadcast waits for it then); with an
-    asynchronous client, one part.
+    a contiguous array, pickling otherwise). "auto" (the default): no cut;
+    one task per worker depends on the object, and the directory splits its
+    bytes into ranges when the workers are many
+    (``hoplite.broadcast.ranges``), with no copy to join them.
     """
     cfg = HopliteConfig.from_dask_config()
     parts = _parts_arg("broadcast", parts, cfg.broadcast_parts)
@@ -181,24 +182,17 @@ def broadcast(
         workers = worker_addresses(client)
     if not workers:
         raise ValueError("broadcast needs at least one worker")
-    if parts is None and client.asynchronous:
-        parts = 1
-    if parts != 1 and len(workers) > 2 and client.sync(hoplite_registered, client):
-        if parts is None:
-            shape = client.sync(
-                client.scheduler.hoplite_broadcast_parts,  # type: ignore[union-attr]
-                key=f.key,
-                receivers=list(workers),
-                min_bytes=cfg.min_bytes,
-                block_bytes=cfg.block_bytes,
-            )
-            parts = int(shape["parts"])
-        if parts > 1:
+    if parts is not None and parts > 1 and len(workers) > 2:
+        if client.sync(hoplite_registered, client):
             return split_broadcast(client, f, list(workers), parts)
-    return [
-        client.submit(identity, f, workers=[w], allow_other_workers=False, pure=False)
-        for w in workers
-    ]
+    # One graph: the directory sees every receiver waiting at the first
+    # request, when it decides whether to split the object into ranges.
+    copies = []
+    for w in workers:
+        with dask.annotate(workers=[w], allow_other_workers=False):
+            copies.append(delayed(identity, pure=False)(f))
+    futures: list[Future] = client.compute(copies, optimize_graph=False)
+    return futures
 
 
 def gather(inputs: Sequence[Any], to: str) -> Future:

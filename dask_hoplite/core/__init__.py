@@ -4,6 +4,7 @@ events, returning decisions, with no sockets and no event loop inside.
 * :mod:`~dask_hoplite.core.directory`: who holds which key, who streams from whom;
 * :mod:`~dask_hoplite.core.hosts`: which host a worker runs on;
 * :mod:`~dask_hoplite.core.split_trees`: a split-tree broadcast's trees, one per part;
+* :mod:`~dask_hoplite.core.byte_ranges`: a key received in byte ranges, one tree each;
 * :mod:`~dask_hoplite.core.object_parts`: cutting an object into parts and joining them;
 * :mod:`~dask_hoplite.core.planner`: the shape of a reduce tree;
 * :mod:`~dask_hoplite.core.shape_choice`: one tree or split trees, and how many parts;

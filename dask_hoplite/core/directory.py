@@ -31,6 +31,11 @@ The rules follow Hoplite (Zhuang et al., SIGCOMM 2021):
   receiver streams from its planned sender, waiting for it to be assigned
   first if need be, whatever the fan-out count says; a receiver whose planned
   sender died or was given up falls back to the rules above.
+* A key may be split into byte ranges (:meth:`ObjectDirectory.split_ranges`,
+  :mod:`dask_hoplite.core.byte_ranges`): each range is a record of its own,
+  planned as one part of a split-tree broadcast and asked for by range
+  (:func:`~dask_hoplite.core.byte_ranges.range_key`); Dask's events about the
+  key (a copy added, released, lost, forgotten) reach every range.
 * When Dask loses every complete copy (its holders died), the partial copies
   keep streaming from one another and stay on record: the recomputed copy
   and the receivers that come back join the tree that is still running.
@@ -47,6 +52,7 @@ from dataclasses import dataclass, field
 
 from dask.typing import Key  # noqa: E402
 
+from dask_hoplite.core.byte_ranges import range_key
 from dask_hoplite.core.hosts import host_of
 from dask_hoplite.core.split_trees import SplitPart, split_tree_parents
 
@@ -149,6 +155,8 @@ class ObjectDirectory:
         self.transfers: dict[int, Transfer] = {}
         #: Keys announced as parts of a split-tree broadcast, not yet requested.
         self.split_parts: dict[Key, SplitPart] = {}
+        #: Dask's keys split into byte ranges: how many ranges.
+        self.ranges: dict[Key, int] = {}
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ events
@@ -161,6 +169,21 @@ class ObjectDirectory:
         rs = tuple(dict.fromkeys(receivers))
         for j, key in enumerate(keys):
             self.split_parts[key] = SplitPart(j, tuple(keys), rs)
+
+    def split_ranges(self, key: Key, parts: int, receivers: Iterable[str]) -> None:
+        """Dask's ``key`` travels in ``parts`` byte ranges from now on, each
+        down the tree of one part of a split-tree broadcast to ``receivers``
+        (planned from the holder at each range's first request); ask for
+        range ``j`` as :func:`~dask_hoplite.core.byte_ranges.range_key`."""
+        if parts < 2:
+            raise ValueError(f"a key is split into 2 ranges or more, not {parts}")
+        self.ranges[key] = parts
+        self.plan_split([range_key(key, j, parts) for j in range(parts)], receivers)
+
+    def records_of(self, key: Key) -> list[Key]:
+        """The directory keys of Dask's ``key``: its own, or its ranges'."""
+        parts = self.ranges.get(key)
+        return [key] if parts is None else [range_key(key, j, parts) for j in range(parts)]
 
     def request(
         self,
@@ -245,6 +268,9 @@ class ObjectDirectory:
     def copy_added(self, key: Key, address: str) -> list[Decision]:
         """Dask has a new complete copy of ``key`` on ``address`` (a task
         finished, possibly a recomputation): serve receivers waiting for one."""
+        return [d for k in self.records_of(key) for d in self._copy_added(k, address)]
+
+    def _copy_added(self, key: Key, address: str) -> list[Decision]:
         rec = self.objects.get(key)
         if rec is None:
             return []
@@ -253,6 +279,9 @@ class ObjectDirectory:
 
     def copy_released(self, key: Key, address: str) -> list[Decision]:
         """``address`` no longer holds ``key`` (Dask released it there)."""
+        return [d for k in self.records_of(key) for d in self._copy_released(k, address)]
+
+    def _copy_released(self, key: Key, address: str) -> list[Decision]:
         rec = self.objects.get(key)
         if rec is None:
             return []
@@ -290,6 +319,9 @@ class ObjectDirectory:
         relay is given a second receiver it cannot serve at full speed.
         Queued receivers are released to Dask's path, which waits for the
         recomputation."""
+        return [d for k in self.records_of(key) for d in self._lost(k)]
+
+    def _lost(self, key: Key) -> list[Decision]:
         rec = self.objects.get(key)
         if rec is None:
             return []
@@ -302,6 +334,11 @@ class ObjectDirectory:
 
     def forget(self, key: Key) -> list[Decision]:
         """Dask released ``key`` everywhere: drop everything about it."""
+        keys = self.records_of(key)
+        self.ranges.pop(key, None)
+        return [d for k in keys for d in self._forget(k)]
+
+    def _forget(self, key: Key) -> list[Decision]:
         self.split_parts.pop(key, None)
         rec = self.objects.pop(key, None)
         if rec is None:
@@ -313,12 +350,14 @@ class ObjectDirectory:
     # --------------------------------------------------------------- queries
 
     def pinned(self, key: Key) -> set[str]:
-        """Workers whose copy of ``key`` an active stream reads from or writes to."""
-        rec = self.objects.get(key)
-        if rec is None:
-            return set()
-        out = {a for a, n in rec.uploads.items() if n > 0}
-        out.update(rec.incoming)
+        """Workers whose copy of ``key`` (any of its ranges) an active stream
+        reads from or writes to."""
+        out: set[str] = set()
+        for k in self.records_of(key):
+            rec = self.objects.get(k)
+            if rec is not None:
+                out.update(a for a, n in rec.uploads.items() if n > 0)
+                out.update(rec.incoming)
         return out
 
     def upstream(self, key: Key, receiver: str) -> Iterator[str]:

@@ -4,8 +4,9 @@ flow-control window. Pure: the coroutines that move these messages over
 
 A stream, on one comm, after the receiver's request::
 
-    receiver -> sender   {"op": "hoplite_stream", "key", "offset", "end", "protocol",
-                          "transfer_id", "block_bytes", "raw", "who", "reply": False}
+    receiver -> sender   {"op": "hoplite_stream", "key", "offset", "end", "part",
+                          "protocol", "transfer_id", "block_bytes", "raw", "who",
+                          "reply": False}
     sender   -> receiver {"status": "OK", "header", "lengths", "raw"}  (the Layout)
                        | {"status": "error", "message"}                (then nothing)
 
@@ -25,7 +26,10 @@ After the last byte the comm is back at a message boundary and is reused.
 Resuming is a new request with the offset the receiver reached. ``end`` is
 None (the object's size) except for a *patch*, the few blocks of a reduce
 node's stream that a dead node's parent reads in its place
-(:mod:`dask_hoplite.core.tree_spread`).
+(:mod:`dask_hoplite.core.tree_spread`). ``part`` is None except for one byte
+range of a key the directory split (:mod:`dask_hoplite.core.byte_ranges`):
+``[j, k]``, and the stream covers the bytes of range ``j`` of ``k`` from
+``offset`` on (both ends learn the object's size only from the layout).
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ from typing import Any
 
 from dask.typing import Key
 
+from dask_hoplite.core.byte_ranges import range_bounds
 from dask_hoplite.errors import ProtocolError
 
 #: Bumped on any incompatible change of the messages above or of the
 #: worker <-> scheduler directory messages. Peers with another value refuse.
-PROTOCOL_VERSION = 2  # 2: streams with an end (patches)
+PROTOCOL_VERSION = 3  # 2: streams with an end (patches); 3: byte ranges
 
 STREAM_OP = "hoplite_stream"
 
@@ -56,6 +61,8 @@ class StreamRequest:
     who: str | None = None
     #: The byte the stream stops at (None: the end of the object).
     end: int | None = None
+    #: ``(j, k)``: the stream covers byte range ``j`` of ``k`` (None: all).
+    part: tuple[int, int] | None = None
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> StreamRequest:
@@ -83,11 +90,30 @@ class StreamRequest:
         end = msg.get("end")
         if end is not None and (not isinstance(end, int) or isinstance(end, bool) or end < offset):
             raise ProtocolError(f"end must be None or an int >= offset {offset}, got {end!r}")
-        return cls(msg["key"], offset, block, tid, bool(msg.get("raw", False)), who, end)
+        part = msg.get("part")
+        if part is not None:
+            if (
+                not isinstance(part, (list, tuple))
+                or len(part) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in part)
+                or not 0 <= part[0] < part[1]
+            ):
+                raise ProtocolError(f"part must be None or [j, k] with 0 <= j < k, got {part!r}")
+            part = (int(part[0]), int(part[1]))
+        return cls(msg["key"], offset, block, tid, bool(msg.get("raw", False)), who, end, part)
 
     def stop(self, nbytes: int) -> int:
         """Where the stream of an object of ``nbytes`` stops."""
+        if self.part is not None:
+            return range_bounds(nbytes, *self.part)[1]
         return nbytes if self.end is None else min(self.end, nbytes)
+
+    def start(self, nbytes: int) -> int:
+        """Where the stream of an object of ``nbytes`` starts: ``offset``, or
+        its range's first byte if that is later."""
+        if self.part is not None:
+            return max(self.offset, range_bounds(nbytes, *self.part)[0])
+        return self.offset
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -95,6 +121,7 @@ class StreamRequest:
             "key": self.key,
             "offset": self.offset,
             "end": self.end,
+            "part": None if self.part is None else list(self.part),
             "block_bytes": self.block_bytes,
             "transfer_id": self.transfer_id,
             "protocol": PROTOCOL_VERSION,

@@ -15,22 +15,21 @@ A broadcast or reduce of ``S`` bytes over ``m`` hosts at per-host bandwidth
 * **split trees** (``parts = k``, :mod:`~dask_hoplite.core.split_trees`).
   Part ``j`` of ``S/k`` bytes goes down its own tree of depth ``d`` about
   ``log_k m``; every host still moves ``S`` once each way, so the pipeline
-  fill per hop is a block at ``B/k``: ``S/B + d (k b/B + L)``. A broadcast
-  then joins the parts into one object on every receiver (a copy of ``S`` at
-  :data:`COPY_RATE`) and runs ``k + 2`` more tasks to cut the object first
-  (:data:`TASK_SECONDS` each); a reduce makes each segment in its place in
-  the result (no join).
+  fill per hop is a block at ``B/k``: ``S/B + d (k b/B + L)``. Nothing is
+  joined: a broadcast's receivers fill one buffer range by range
+  (:mod:`~dask_hoplite.core.byte_ranges`), a reduce makes each segment in its
+  place in the result.
 
 :func:`choose_parts` takes the shape of least predicted time among
-:data:`PART_CHOICES` with parts of at least :data:`MIN_BLOCKS` full blocks
-(a smaller part is mostly pipeline fill, and its streams' setup, which this
-model leaves out, weighs as much as its bytes), leaving one tree only when split trees are predicted at
-least :data:`MARGIN` faster (the model leaves out per-stream costs that weigh
-most where the two are close). So a chain at 8 hosts (a few pipeline fills:
-the copy of the join costs more than they do) and split trees at a thousand
-(a thousand fills cost more than the transfer). The library's planner
-(:mod:`~dask_hoplite.core.reduce_plan`), the broadcast collective and the
-simulator (``benchmarks/simulate.py``) all choose with it.
+:data:`PART_CHOICES` with parts of at least :data:`MIN_BLOCKS` full blocks (a
+smaller part is mostly pipeline fill), and leaves one tree only when split
+trees are predicted at least :data:`MARGIN` faster (the model leaves out the
+setup of each stream, which weighs most where the two are close). So one
+chain or tree at 8 or 16 hosts (a few pipeline fills) and split trees at a
+thousand (a thousand fills cost more than the transfer). The reduce planner
+(:mod:`~dask_hoplite.core.reduce_plan`), the directory's split of a key into
+byte ranges (the scheduler part's ``DirectoryService``) and the simulator
+(``benchmarks/simulate.py``) all choose with it.
 """
 
 from __future__ import annotations
@@ -43,13 +42,6 @@ from typing import Literal
 from dask_hoplite.core.planner import max_chain_length, plan_reduce_tree
 from dask_hoplite.core.split_trees import split_tree_parents, tree_depth
 
-#: Bytes per second a receiver of a broadcast in parts copies them into one
-#: object (``np.concatenate`` into warm memory: 11-16 GB/s measured on the
-#: development machine, taken lower).
-COPY_RATE = 10e9
-#: Seconds one more task costs a broadcast in parts (Dask's overhead per task
-#: is of the order of a millisecond).
-TASK_SECONDS = 1e-3
 #: The part counts considered.
 PART_CHOICES = (1, 2, 4, 8, 16, 32)
 #: The share of one tree's predicted time split trees must save to be chosen.
@@ -65,7 +57,7 @@ Collective = Literal["broadcast", "reduce"]
 @dataclass(frozen=True)
 class ShapeCost:
     """The predicted time of one shape: ``parts`` (1: one tree), its depth
-    in hops, and seconds from start to the last byte (the join included)."""
+    in hops, and seconds from start to the last byte."""
 
     parts: int
     depth: int
@@ -118,14 +110,12 @@ def shape_costs(
     costs = [one]
     if hosts < 3:  # a split needs two receivers besides the source
         return costs
-    join = nbytes / COPY_RATE if collective == "broadcast" else 0.0
     for k in PART_CHOICES[1:]:
         if k >= hosts or nbytes / k < MIN_BLOCKS * block_bytes:
             break  # more parts than receivers, or parts too small to pipeline
         depth = split_depth(hosts, k)
         part_fill = k * block_bytes_for(nbytes / k, block_bytes) / bandwidth + latency
-        tasks = (k + 2) * TASK_SECONDS if collective == "broadcast" else 0.0
-        costs.append(ShapeCost(k, depth, wire + depth * part_fill + join + tasks))
+        costs.append(ShapeCost(k, depth, wire + depth * part_fill))
     return costs
 
 

@@ -17,6 +17,7 @@ a block never spans two frames, so every block is one contiguous view.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import hashlib
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ import numpy as np
 from dask.typing import Key
 
 from dask_hoplite.core.buffer_pool import BufferPool
+from dask_hoplite.core.byte_ranges import range_bounds
 from dask_hoplite.errors import BufferStateError, LayoutChanged
 
 
@@ -144,7 +146,14 @@ class ObjectBuffer:
         self.pool = pool or _NO_POOL
         self.state = BufferState.PENDING
         self.layout: Layout | None = None
+        #: Bytes received. Without ranges they are [0, progress); with
+        #: ranges (:meth:`split`) the ones of each range are [lo, pos).
         self.progress = 0
+        #: With ranges: how many, and each range's [lo, hi) and position.
+        self.parts = 1
+        self._lo: list[int] = []
+        self._hi: list[int] = []
+        self._pos: list[int] = []
         self.error: BaseException | None = None
         #: Set while the buffer serves nobody (kept for a resume of its own
         #: receiving, see :meth:`interrupt`).
@@ -192,10 +201,48 @@ class ObjectBuffer:
         mv = memoryview(self._array)  # type: ignore[arg-type]
         self._frames = [mv[a:b] for a, b in layout.frame_bounds()]
         self.state = BufferState.RECEIVING
+        self._make_ranges()
         if layout.nbytes == 0:
             self._complete()
         else:
             self._wake()  # waiters for the layout itself (threshold 0)
+
+    def split(self, parts: int) -> None:
+        """Receive this buffer in ``parts`` byte ranges
+        (:func:`~dask_hoplite.core.byte_ranges.range_bounds`), each filled in
+        order and served as it fills, independently of the others; bytes
+        already received count in their ranges. Once per buffer."""
+        if parts < 1:
+            raise ValueError(f"parts must be >= 1, got {parts}")
+        if self.parts != 1 and self.parts != parts:
+            raise BufferStateError(f"buffer of {self.key!r} is in {self.parts} ranges already")
+        if parts == 1 or self.state is BufferState.COMPLETE:
+            return
+        self.parts = parts
+        if self.layout is not None:
+            self._make_ranges()
+
+    def _make_ranges(self) -> None:
+        if self.parts == 1 or self._lo or self.layout is None:
+            return
+        n, done = self.layout.nbytes, self.progress
+        bounds = [range_bounds(n, j, self.parts) for j in range(self.parts)]
+        self._lo = [lo for lo, _ in bounds]
+        self._hi = [hi for _, hi in bounds]
+        self._pos = [min(max(done, lo), hi) for lo, hi in bounds]
+
+    def range_of(self, offset: int) -> int:
+        """The range that byte ``offset`` is in (the last one for the end)."""
+        return max(0, bisect.bisect_right(self._lo, offset) - 1)
+
+    def available(self, start: int) -> int:
+        """The end of the bytes received from ``start`` on without a gap
+        (``start`` itself or less: none)."""
+        if not self._lo:
+            return self.progress
+        if self.state is BufferState.COMPLETE:
+            return self.nbytes
+        return self._pos[self.range_of(start)]
 
     # -------------------------------------------------------------- writing
 
@@ -209,20 +256,22 @@ class ObjectBuffer:
             raise BufferStateError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
         mv = as_byte_view(data)
         end = offset + mv.nbytes
-        if offset < 0 or offset > self.progress or end > self._array.size:
+        limit = self._hi[self.range_of(offset)] if self._lo else self._array.size
+        if offset < 0 or offset > self.available(offset) or end > limit:
             raise ValueError(
                 f"block [{offset}, {end}) of {self.key!r} does not continue progress "
                 f"{self.progress} within size {self._array.size}"
             )
         self._array[offset:end] = np.frombuffer(mv, dtype=np.uint8)
-        return self.advance(max(end, self.progress))
+        return self.advance(max(end, self.available(offset)))
 
     def writable_view(self, start: int, stop: int) -> memoryview:
         """Receiving side: the bytes [start, stop) to be filled in place (a
         socket reads straight into them); call :meth:`advance` once they are."""
         if self.state is not BufferState.RECEIVING or self._array is None:
             raise BufferStateError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
-        if not 0 <= start <= self.progress or not start <= stop <= self._array.size:
+        limit = self._hi[self.range_of(start)] if self._lo else self._array.size
+        if not 0 <= start <= self.available(start) or not start <= stop <= limit:
             raise ValueError(f"[{start}, {stop}) does not continue progress {self.progress}")
         return memoryview(self._array)[start:stop]  # type: ignore[arg-type]
 
@@ -286,9 +335,12 @@ class ObjectBuffer:
         self._array = array
 
     def advance(self, end: int) -> int:
-        """Bytes up to ``end`` were written in place; wake readers."""
+        """Bytes up to ``end`` were written in place; wake readers. Returns
+        the new position (of ``end``'s range, with ranges)."""
         if self.state is not BufferState.RECEIVING or self._array is None:
             raise BufferStateError(f"buffer of {self.key!r} is {self.state.value}, not receiving")
+        if self._lo:
+            return self._advance_range(end)
         if not self.progress <= end <= self._array.size:
             raise ValueError(f"cannot advance {self.key!r} from {self.progress} to {end}")
         if end > self.progress:
@@ -298,6 +350,21 @@ class ObjectBuffer:
             else:
                 self._wake()
         return self.progress
+
+    def _advance_range(self, end: int) -> int:
+        j = self.range_of(end - 1) if end > 0 else 0
+        if not self._pos[j] <= end <= self._hi[j]:
+            raise ValueError(
+                f"cannot advance range {j} of {self.key!r} from {self._pos[j]} to {end}"
+            )
+        if end > self._pos[j]:
+            self.progress += end - self._pos[j]
+            self._pos[j] = end
+            if self.progress == self.nbytes:
+                self._complete()
+            else:
+                self._wake()
+        return end
 
     def fail(self, error: BaseException) -> None:
         if self.state is BufferState.COMPLETE:
@@ -332,9 +399,10 @@ class ObjectBuffer:
     # -------------------------------------------------------------- reading
 
     def when(self, threshold: int, callback: Waiter) -> None:
-        """Call ``callback(self)`` once progress > ``threshold`` (or the layout
-        is known, for threshold 0 on an empty object), or the buffer completes
-        or fails. Fires at once if that already holds."""
+        """Call ``callback(self)`` once byte ``threshold`` is received (:meth:`available`
+        beyond it; or the layout is known, for threshold 0 on an empty
+        object), or the buffer completes or fails. Fires at once if that
+        already holds."""
         if self._satisfied(threshold):
             callback(self)
         else:
@@ -347,7 +415,7 @@ class ObjectBuffer:
             return True
         if self.layout is None:
             return False
-        return self.progress > threshold or (threshold == 0 and self.layout.nbytes == 0)
+        return self.available(threshold) > threshold or (threshold == 0 and self.layout.nbytes == 0)
 
     def _wake(self) -> None:
         keep: list[tuple[int, Waiter]] = []
@@ -360,7 +428,7 @@ class ObjectBuffer:
 
     def view(self, start: int, stop: int) -> memoryview:
         """Bytes [start, stop), which must lie within one frame and be valid."""
-        if self.layout is None or stop > self.progress or start > stop:
+        if self.layout is None or stop > self.available(start) or start > stop:
             raise ValueError(f"bytes [{start}, {stop}) of {self.key!r} are not available")
         for (a, b), frame in zip(self.layout.frame_bounds(), self._frames, strict=True):
             if a <= start < b or (start == stop == a):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dask_hoplite.core.byte_ranges import describe
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.dashboard.state import page_state
 from dask_hoplite.scheduler.collective_log import CollectiveLog
@@ -45,7 +46,7 @@ def live_state(
     return page_state(
         workers=list(s.workers),
         reports=reports,
-        transfers=[(str(t.key), t.sender, t.receiver) for t in d.transfers.values()],
+        transfers=[(describe(t.key), t.sender, t.receiver) for t in d.transfers.values()],
         collectives=list(collectives.recent)[::-1],  # newest first
         bandwidth=network.estimate().bandwidth,
         counters=counters,

@@ -8,7 +8,6 @@ only wires the rest into the scheduler and takes it out again:
 - :mod:`.queries`: read-only RPCs reductions and collectives plan with;
 - :mod:`.client`: their other side, what workers and clients ask the scheduler part;
 - :mod:`.first_ready`: the first ``k`` of a reduction's inputs to be ready;
-- :mod:`.broadcast_shape`: how many parts a broadcast is cut into ("auto");
 - :mod:`.collective_log`: what the collectives did, by kind and outcome;
 - :mod:`.metrics`: the scheduler part's Prometheus series;
 - :mod:`.replicate`, :mod:`.graph_rewrite`, :mod:`.amm`: one override of a Dask

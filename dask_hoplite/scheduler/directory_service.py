@@ -24,9 +24,12 @@ from dask.typing import Key
 
 from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
+from dask_hoplite.core.byte_ranges import range_key
 from dask_hoplite.core.directory import Assign, Decision, Missing, ObjectDirectory, Queued
+from dask_hoplite.core.hosts import host_of
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.core.protocol import PROTOCOL_VERSION
+from dask_hoplite.core.shape_choice import choose_parts
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskState
@@ -76,6 +79,9 @@ class DirectoryService:
         self.transfers_finished: Counter[str] = Counter()
         #: Bytes of the transfers that finished ok.
         self.bytes_streamed = 0
+        #: Keys whose first request found too few receivers to split them
+        #: into byte ranges (split ones are in ``directory.ranges``).
+        self.unsplit: set[Key] = set()
 
     # ---------------------------------------------------------- worker handlers
 
@@ -85,15 +91,24 @@ class DirectoryService:
         receiver: str,
         protocol: int | None = None,
         exclude: list[str] | None = None,
+        part: list[int] | None = None,
     ) -> dict[str, Any]:
         """RPC ``hoplite_request``: a worker needs ``key`` (or needs another
-        sender than those in ``exclude`` to resume from); whom to stream from."""
-        answer = await self._answer(key, receiver, protocol, exclude)
+        sender than those in ``exclude`` to resume from); whom to stream from.
+        The first request of a key many workers wait for may split it into
+        byte ranges: the answer is then ``{"status": "split", "parts": k}``,
+        and the worker asks for each range ``part=[j, k]``."""
+        answer = await self._answer(key, receiver, protocol, exclude, part)
         self.answers[answer["status"]] += 1
         return answer
 
     async def _answer(
-        self, key: Key, receiver: str, protocol: int | None, exclude: list[str] | None
+        self,
+        key: Key,
+        receiver: str,
+        protocol: int | None,
+        exclude: list[str] | None,
+        part: list[int] | None,
     ) -> dict[str, Any]:
         if protocol != PROTOCOL_VERSION:
             return {
@@ -109,14 +124,24 @@ class DirectoryService:
         if nbytes < self.config.min_bytes:
             return {"status": "small"}
         holders = self._holders(key)
-        decision: Decision | None = self.directory.request(key, receiver, holders, exclude or ())
+        parts = self._ranges(key, ts, receiver, holders, nbytes)
+        if part is None and parts > 1:
+            return {"status": "split", "parts": parts, "nbytes": nbytes, "holders": holders}
+        if part is not None and (len(part) != 2 or part[1] != parts or not 0 <= part[0] < parts):
+            return {
+                "status": "error",
+                "message": f"{key!r} is not split into {part[-1]} byte ranges",
+                "holders": holders,
+            }
+        dkey = key if part is None else range_key(key, part[0], parts)
+        decision: Decision | None = self.directory.request(dkey, receiver, holders, exclude or ())
         if isinstance(decision, Assign):
             # A planned sender was just assigned: those planned below it start.
-            self._act(self.directory.drain(key))
+            self._act(self.directory.drain(dkey))
         if isinstance(decision, Queued):
             # None: no sender freed up in time, and Dask's own path fetches it.
-            decision = await self._wait_in_queue(key, receiver)
-        logger.debug("%s asks for %r (excluding %s): %s", receiver, key, exclude, decision)
+            decision = await self._wait_in_queue(dkey, receiver)
+        logger.debug("%s asks for %r (excluding %s): %s", receiver, dkey, exclude, decision)
         msg = _decision_msg(decision, nbytes)
         if not isinstance(decision, Assign):
             msg["gone"] = not self._in_memory(key)
@@ -125,6 +150,41 @@ class DirectoryService:
         # takes the key for lost on its peer and asks again.
         msg["holders"] = self._holders(key)
         return msg
+
+    def _ranges(
+        self, key: Key, ts: TaskState, receiver: str, holders: list[str], nbytes: int
+    ) -> int:
+        """How many byte ranges ``key`` travels in (1: whole), decided at its
+        first request from the workers whose tasks wait for it then
+        (``hoplite.broadcast.ranges``; "auto": as many as
+        :func:`~dask_hoplite.core.shape_choice.choose_parts` predicts fastest
+        for their hosts, the size and the network model's estimate)."""
+        known = self.directory.ranges.get(key)
+        if known is not None:
+            return known
+        if key in self.unsplit or key in self.directory.objects:
+            return 1
+        receivers = {
+            dts.processing_on.address
+            for dts in ts.dependents or ()
+            if dts.processing_on is not None
+        }
+        receivers = (receivers | {receiver}) - set(holders)
+        setting = self.config.broadcast_ranges
+        if setting is None:
+            hosts = {host_of(a) for a in receivers} | {host_of(a) for a in holders[:1]}
+            est = self.network.estimate()
+            parts = choose_parts(
+                "broadcast", len(hosts), nbytes, est.bandwidth, est.latency, self.config.block_bytes
+            )
+        else:
+            parts = setting if len(receivers) >= 2 else 1
+        if parts > 1:
+            logger.info("%r goes to %d workers in %d byte ranges", key, len(receivers), parts)
+            self.directory.split_ranges(key, parts, sorted(receivers))
+        else:
+            self.unsplit.add(key)
+        return parts
 
     async def _wait_in_queue(self, key: Key, receiver: str) -> Decision | None:
         """The decision for a queued request, or None if none came within
@@ -155,15 +215,18 @@ class DirectoryService:
         nbytes: int = 0,
         seconds: float = 0.0,
         latency: float = 0.0,
+        parts: int = 1,
         **kwargs: Any,
     ) -> None:
         """Stream ``hoplite-finished``: a receiver's transfer ended (with its
-        size and duration, and the receiver's latency, for the network model)."""
+        size and duration, and the receiver's latency, for the network model;
+        a byte range of ``parts`` shared its receiver's NIC with the others,
+        so its throughput counts ``parts`` times)."""
         self._act(self.directory.transfer_finished(transfer_id, bool(ok)))
         self.transfers_finished["ok" if ok else "failed"] += 1
         if ok:
             self.bytes_streamed += int(nbytes)
-            self.network.observe_transfer(int(nbytes), float(seconds))
+            self.network.observe_transfer(int(nbytes) * max(1, int(parts)), float(seconds))
             self.network.observe_latency(float(latency))
 
     def plan_split(self, keys: list[Key], receivers: list[str]) -> dict[str, str]:
@@ -211,6 +274,7 @@ class DirectoryService:
                 logger.debug("%r went %s -> released: no complete copy left", key, start)
             self._act(self.directory.lost(key))
         elif finish in ("forgotten", "erred"):
+            self.unsplit.discard(key)
             self._act(self.directory.forget(key))
         elif finish == "memory" and isinstance(worker, str):
             self._act(self.directory.copy_added(key, worker))

@@ -29,7 +29,6 @@ from dask_hoplite.dashboard.page import DashboardRoutes
 from dask_hoplite.errors import WorkerPartFailed
 from dask_hoplite.patching import Override
 from dask_hoplite.scheduler.amm import StreamDropGuard
-from dask_hoplite.scheduler.broadcast_shape import BroadcastShape
 from dask_hoplite.scheduler.client import METADATA_KEY
 from dask_hoplite.scheduler.collective_log import CollectiveLog
 from dask_hoplite.scheduler.directory_service import DirectoryService
@@ -134,7 +133,6 @@ class Hoplite(SchedulerPlugin):
         self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)
         self.first_ready = first_ready = FirstReady(s.tasks.get, network)
-        broadcast_shape = BroadcastShape(first_ready)
         self.replicator = ReplicateOverride(config, pins)
         collectives = self.collectives
         page = DashboardRoutes(lambda: live_state(s, service, collectives, network))
@@ -155,7 +153,6 @@ class Hoplite(SchedulerPlugin):
             "hoplite_key_states": queries.key_states,
             "hoplite_task_worker": queries.task_worker,
             "hoplite_first_ready": first_ready.first_ready,
-            "hoplite_broadcast_parts": broadcast_shape.parts,
         }
 
     def _install(self, s: Scheduler) -> None:

@@ -34,6 +34,7 @@ from distributed.metrics import time as dask_time
 from distributed.worker import WORKER_ANY_RUNNING, Worker, get_data_from_worker
 from distributed.worker_state_machine import GatherDepSuccessEvent, StateMachineEvent
 
+from dask_hoplite.core.byte_ranges import range_bounds
 from dask_hoplite.core.protocol import PROTOCOL_VERSION, StreamRequest
 from dask_hoplite.core.store import BufferState, ObjectBuffer
 from dask_hoplite.errors import LayoutChanged, TransferFailed
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 GONE = object()
 _FAILED = object()  # a stream ended without the whole object: resume elsewhere
 _RESTART = object()  # the sender holds another object: start over
+_RANGE_DONE = object()  # a byte range is in
 
 
 class Receiver:
@@ -111,6 +113,8 @@ class Receiver:
             if reply is None:
                 reason = "the directory could not be asked"
                 break
+            if reply.get("status") == "split":
+                return await self._fetch_ranges(key, buf, reply, start, t_request)
             if reply.get("status") != "assign":
                 reason = f"the directory answered {reply.get('status')!r}"
                 gone = bool(reply.get("gone"))
@@ -154,15 +158,94 @@ class Receiver:
         self._give_up(key, buf)
         return False, GONE if gone else None
 
+    async def _fetch_ranges(
+        self, key: Key, buf: ObjectBuffer, reply: dict[str, Any], start: float, t_request: float
+    ) -> tuple[bool, Any]:
+        """Stream ``key`` into ``buf`` in the byte ranges the directory split
+        it into, all at once, each from its own sender and resumed on its
+        own; Dask's own path takes over if a range cannot be had."""
+        parts, nbytes = int(reply["parts"]), int(reply.get("nbytes") or 0)
+        if buf.parts not in (1, parts):  # left by a fetch of an earlier split: start over
+            buf.fail(LayoutChanged(f"{key!r} is split into {parts} ranges now"))
+            self.ctx.store.discard_if(key, buf)
+            buf = self.ctx.store.announce(key)
+        buf.split(parts)
+        self.ctx.count("keys-received-in-ranges")
+        outcomes = await asyncio.gather(
+            *(self._fetch_range(buf, j, parts, nbytes) for j in range(parts))
+        )
+        senders = [o for o in outcomes if isinstance(o, str)]
+        if len(senders) == parts and buf.state is BufferState.COMPLETE:
+            value = await self.ctx.deserialize(buf)
+            accounting.received(
+                self.ctx.worker, key, senders[0], start, dask_time(), buf.nbytes, value
+            )
+            self.senders[key] = senders[0]
+            self.ctx.recent.append(
+                {
+                    "key": key,
+                    "sender": senders[0],
+                    "nbytes": buf.nbytes,
+                    "requested": t_request,
+                    "done": time.time(),
+                    "senders": senders,
+                }
+            )
+            return True, value
+        failed = next(o for o in outcomes if not isinstance(o, str))
+        self.ctx.event("fallbacks", key=str(key), reason=failed[1], byte=buf.progress)
+        if failed[0] is _RESTART:
+            buf.fail(LayoutChanged(f"{key!r} changed while it was received in ranges"))
+            self.ctx.store.discard_if(key, buf)
+        else:
+            self._give_up(key, buf)
+        return False, GONE if failed[0] is GONE else None
+
+    async def _fetch_range(
+        self, buf: ObjectBuffer, j: int, parts: int, nbytes: int
+    ) -> str | tuple[object, str]:
+        """Range ``j`` of ``parts`` of ``buf``'s key: the sender that
+        finished it, or (why not: ``GONE``, ``_RESTART`` or None, a reason)."""
+        key = buf.key
+        excluded: list[str] = []
+        for _attempt in range(self.ctx.config.max_resumes + 1):
+            reply = await self._ask_directory(key, buf, excluded, part=[j, parts])
+            if reply is None:
+                return None, f"range {j}: the directory could not be asked"
+            if reply.get("status") != "assign":
+                self.holders[key] = list(reply.get("holders") or ())
+                reason = f"range {j}: the directory answered {reply.get('status')!r}"
+                return (GONE if reply.get("gone") else None), reason
+            sender, tid = reply["sender"], reply["transfer_id"]
+            buf.resume()
+            if excluded and buf.layout is not None:
+                lo = range_bounds(buf.nbytes, j, parts)[0]
+                if buf.available(lo) > lo:  # not fetched again
+                    self.ctx.count("bytes-resumed", buf.available(lo) - lo)
+            outcome = await self._stream_from(buf, sender, tid, nbytes, part=(j, parts))
+            if outcome is _RESTART:
+                return _RESTART, f"range {j}: {key!r} changed"
+            if outcome is _FAILED:
+                excluded.append(sender)
+                self.ctx.event("resumes", key=str(key), byte=buf.progress, failed=sender)
+                continue
+            return str(sender)
+        return None, f"range {j}: no sender finished it (tried {', '.join(excluded)})"
+
     async def _ask_directory(
-        self, key: Key, buf: ObjectBuffer, excluded: list[str]
+        self,
+        key: Key,
+        buf: ObjectBuffer,
+        excluded: list[str],
+        part: list[int] | None = None,
     ) -> dict[str, Any] | None:
-        """The directory's answer for ``key`` (None: it cannot be asked)."""
+        """The directory's answer for ``key`` (None: it cannot be asked), or
+        for its byte range ``part`` (``[j, k]``)."""
         w = self.ctx.worker
         t0 = time.monotonic()
         try:
             reply: dict[str, Any] = await w.scheduler.hoplite_request(
-                key=key, receiver=w.address, protocol=PROTOCOL_VERSION, exclude=excluded
+                key=key, receiver=w.address, protocol=PROTOCOL_VERSION, exclude=excluded, part=part
             )
         except Exception as e:
             logger.warning("hoplite directory unreachable for %r (%s); using Dask's path", key, e)
@@ -188,9 +271,17 @@ class Receiver:
             if buf.state is not BufferState.COMPLETE:
                 buf.fail(TransferFailed(f"no hoplite sender for {key!r}"))
 
-    async def _stream_from(self, buf: ObjectBuffer, sender: str, tid: int, nbytes: int) -> Any:
-        """One stream into ``buf`` from ``sender``, from the byte it reached.
-        Returns the deserialised object, or ``_FAILED`` / ``_RESTART``."""
+    async def _stream_from(
+        self,
+        buf: ObjectBuffer,
+        sender: str,
+        tid: int,
+        nbytes: int,
+        part: tuple[int, int] | None = None,
+    ) -> Any:
+        """One stream into ``buf`` from ``sender``, from the byte it reached
+        (of byte range ``part``, if given). Returns the deserialised object
+        (``_RANGE_DONE`` for a range), or ``_FAILED`` / ``_RESTART``."""
         ctx, w, key = self.ctx, self.ctx.worker, buf.key
         stall = ctx.config.stall_timeout
         ok = False
@@ -202,14 +293,20 @@ class Receiver:
                 context_meter.meter("network", func=dask_time),
             ):
                 async with pooled_comm(w.rpc, sender, stall) as comm:
-                    offset = buf.progress if buf.layout is not None else 0
-                    block = ctx.config.block_size_for(nbytes)
+                    offset = 0
+                    if buf.layout is not None:
+                        lo = 0 if part is None else range_bounds(buf.nbytes, *part)[0]
+                        offset = buf.available(lo)
+                    parts = 1 if part is None else part[1]
+                    block = ctx.config.block_size_for(nbytes // parts)
                     raw = raw_stream(comm) is not None
-                    req = StreamRequest(key, offset, block, tid, raw=raw, who=w.address)
+                    req = StreamRequest(key, offset, block, tid, raw=raw, who=w.address, part=part)
                     n = await receive_stream(comm, buf, req, stall_timeout=stall)
-            value = await ctx.deserialize(buf)
             ok = True
             ctx.count("bytes-received", n)
+            if part is not None:
+                return _RANGE_DONE
+            value = await ctx.deserialize(buf)
             ctx.count("keys-received")
             return value
         except LayoutChanged as e:
@@ -237,6 +334,7 @@ class Receiver:
                     "nbytes": n,
                     "seconds": time.monotonic() - t0,
                     "latency": w.latency,
+                    "parts": 1 if part is None else part[1],
                 }
             )
 

@@ -88,7 +88,7 @@ class Sender:
             with (
                 ctx.streaming_out(),
                 accounting.sending(
-                    ctx.worker, req.key, who, req.stop(buf.nbytes) - req.offset
+                    ctx.worker, req.key, who, req.stop(buf.nbytes) - req.start(buf.nbytes)
                 ) as sent,
             ):
                 n = await send_stream(
@@ -100,7 +100,7 @@ class Sender:
                     sent=sent,
                 )
             ctx.count("bytes-sent", n)
-            if req.offset + n == buf.nbytes:
+            if req.part is None and req.offset + n == buf.nbytes:
                 self.reductions.sent(req.key)
             if is_input_patch_key(req.key):
                 # A dead reduce node's input, served for one patch: done.

@@ -134,7 +134,7 @@ async def wait_progress(buf: ObjectBuffer, threshold: int, timeout: float) -> No
         ) from None
     if buf.state is BufferState.FAILED:
         raise TransferFailed(f"upstream copy of {buf.key!r} failed: {buf.error}")
-    if buf.interrupted is not None and buf.progress <= threshold:
+    if buf.interrupted is not None and buf.available(threshold) <= threshold:
         raise TransferFailed(f"upstream copy of {buf.key!r} stopped: {buf.interrupted}")
 
 
@@ -160,37 +160,37 @@ async def send_stream(
     assert buf.layout is not None
     layout = buf.layout
     total = req.stop(layout.nbytes)
+    start = pos = req.start(layout.nbytes)
     stream = raw_stream(comm) if req.raw else None
     await comm.write({"status": "OK", "raw": stream is not None, **layout.to_msg()})
     peer = comm.peer_address
     reader = req.who or peer
-    pos = req.offset
     if stream is not None:
         while pos < total:
-            if buf.progress <= pos:
+            if buf.available(pos) <= pos:
                 await wait_progress(buf, pos, stall_timeout)
-            end = min(buf.progress, layout.frame_end(pos), pos + RAW_WRITE_BYTES, total)
+            end = min(buf.available(pos), layout.frame_end(pos), pos + RAW_WRITE_BYTES, total)
             buf.serving(reader, end)
             await _bounded(stream.write(buf.view(pos, end)), stall_timeout, "write", peer)
             pos = end
-            sent[0] = pos - req.offset
-        return total - req.offset
+            sent[0] = pos - start
+        return total - start
 
-    window = SendWindow(req.offset, window_bytes)
+    window = SendWindow(start, window_bytes)
     while pos < total:
         while not window.can_send():
             window.on_ack(parse_ack(await _bounded(comm.read(), stall_timeout, "ack", peer)))
-        if buf.progress <= pos:
+        if buf.available(pos) <= pos:
             await wait_progress(buf, pos, stall_timeout)
-        end = min(buf.progress, layout.block_end(pos, req.block_bytes), total)
+        end = min(buf.available(pos), layout.block_end(pos, req.block_bytes), total)
         buf.serving(reader, end)
         await comm.write({"offset": pos, "data": to_serialize(buf.view(pos, end))})
         window.on_sent(end)
         pos = end
-        sent[0] = pos - req.offset
+        sent[0] = pos - start
     while window.acked < total:
         window.on_ack(parse_ack(await _bounded(comm.read(), stall_timeout, "ack", peer)))
-    return total - req.offset
+    return total - start
 
 
 async def open_stream(
@@ -233,13 +233,13 @@ async def receive_stream(
     layout, stream = await open_stream(comm, req, stall_timeout=stall_timeout)
     buf.allocate(layout)
     total = req.stop(buf.nbytes)
-    pos = req.offset
+    start = pos = req.start(buf.nbytes)
     if stream is not None:
         while pos < total:
             end = min(total, pos + req.block_bytes)
             await read_raw(stream, buf.writable_view(pos, end), stall_timeout, peer)
             pos = buf.advance(end)
-        return total - req.offset
+        return total - start
 
     while pos < total:
         offset, data = parse_block(await _bounded(comm.read(), stall_timeout, "block", peer), pos)
@@ -249,4 +249,4 @@ async def receive_stream(
         buf.write(offset, data)
         pos = offset + n
         await comm.write({"ack": pos})
-    return total - req.offset
+    return total - start
