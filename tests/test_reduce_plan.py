@@ -3,6 +3,7 @@ paths that ask it (a real in-process cluster)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -23,6 +24,7 @@ from dask_hoplite.core.reduce_plan import (
     is_small,
     plan_from_msg,
     plan_reduction,
+    relocated_spec,
 )
 from dask_hoplite.errors import ReduceInputLost
 
@@ -33,7 +35,12 @@ MIN = 2**20
 
 def request(keys, k=None, **kw):
     return PlanRequest(
-        rid="r", op="sum", inputs=tuple(keys), k=k or len(keys), min_bytes=MIN, block_bytes=2**16,
+        rid="r",
+        op="sum",
+        inputs=tuple(keys),
+        k=k or len(keys),
+        min_bytes=MIN,
+        block_bytes=2**16,
         **kw,
     )
 
@@ -69,12 +76,13 @@ def test_a_plan_reduces_exactly_the_chosen_inputs_on_the_worker_asked_for(case):
         assert plan.root == to  # the result is where the caller asked
     if is_small(size, MIN):
         assert isinstance(plan, OneTask)
-        assert plan.copies == (tuple(sorted({sorted(who_has[c])[0] for c in chosen} - {plan.root}))
-                               if allreduce else ())
+        assert plan.copies == (
+            tuple(sorted({sorted(who_has[c])[0] for c in chosen} - {plan.root}))
+            if allreduce
+            else ()
+        )
         return
-    specs = (
-        list(plan.specs) if isinstance(plan, (SplitTrees, SegmentedAllreduce)) else [plan.spec]
-    )
+    specs = list(plan.specs) if isinstance(plan, (SplitTrees, SegmentedAllreduce)) else [plan.spec]
     kinds = (SegmentedAllreduce, AllreduceTree, Tree) if allreduce else (Tree, SplitTrees)
     assert isinstance(plan, kinds)
     if isinstance(plan, AllreduceTree):  # the result is copied to every other input's worker
@@ -181,3 +189,31 @@ def test_the_input_in_hand_is_the_roots_and_its_key_stays_where_it_is_held():
     spec = plan.spec
     assert spec.inputs[spec.root] == "a"
     assert sorted(spec.addresses) == sorted([WORKERS[5], WORKERS[0], WORKERS[1]])
+
+
+def test_a_restarted_tree_is_placed_where_its_inputs_are_now():
+    keys = [f"x-{i}" for i in range(4)]
+    who_has = {k: [WORKERS[i]] for i, k in enumerate(keys)}
+    [spec] = plan_reduction(
+        request(keys), keys, who_has, dict.fromkeys(keys, 64 * MIN), NET
+    ).leaf_specs()
+    root_key = spec.inputs[spec.root]
+    lost = next(k for k in keys if k != root_key)
+    keeper = next(k for k in keys if k not in (root_key, lost))
+    # The lost input was recomputed on the worker of another input; its old
+    # worker is gone, and a third worker holds a copy but just failed.
+    now = {k: [spec.addresses[spec.inputs.index(k)]] for k in keys}
+    now[lost] = [WORKERS[5], who_has[keeper][0]]
+    new = relocated_spec(spec, now, {WORKERS[5]}, "tcp://root:1", "r2")
+    assert new.rid == "r2" and sorted(new.inputs) == sorted(keys)
+    assert new.parent == spec.parent and new.inputs[new.root] == root_key
+    assert new.addresses[new.root] == "tcp://root:1"
+    where = dict(zip(new.inputs, new.addresses, strict=True))
+    assert where[lost] == where[keeper] == who_has[keeper][0]
+    # The two inputs of one worker are neighbours: one combines into the other.
+    a, b = new.inputs.index(lost), new.inputs.index(keeper)
+    assert new.parent[a] == b or new.parent[b] == a
+    segment = relocated_spec(
+        dataclasses.replace(spec, segment=(1, 3)), now, set(), "tcp://root:1", "r3"
+    )
+    assert segment.rid.startswith("r3") and segment.rid != "r3"

@@ -21,6 +21,9 @@ they are, how fast the network is) into a :class:`Plan`, one of:
 - :class:`SegmentedAllreduce`: an allreduce as one reduce-then-broadcast
   pipeline per segment, each rooted on another worker.
 
+A tree that broke and restarts is placed again here too
+(:func:`relocated_spec`): the same shape, every input where it is now.
+
 Every caller gets its plan here: :func:`dask_hoplite.reduce`'s planning task
 (:mod:`dask_hoplite.worker.planned_reduce`), :func:`dask_hoplite.allreduce`,
 and the dask.array/bag aggregates taken over on a worker
@@ -467,3 +470,37 @@ def segmented_allreduce_specs(
         )
         roots.append(root_slot)
     return specs, roots
+
+
+def relocated_spec(
+    spec: ReduceSpec,
+    who_has: Mapping[Key, Sequence[str]],
+    avoid: set[str],
+    root: str,
+    rid: str,
+) -> ReduceSpec:
+    """Tree ``spec`` again, as reduction ``rid``, with every input where it
+    is now (``who_has``: a holder for each): the root's on ``root``, the
+    others on their worker of before if it still holds them and is not in
+    ``avoid`` (workers that just failed), else on the first holder outside
+    ``avoid`` (any holder if none). A lost input is often recomputed on a
+    worker holding another one: the two go next to each other in the tree.
+    A segment's tree keeps its segment in its id."""
+    keys = list(spec.inputs)
+    addresses = []
+    for slot, key in enumerate(keys):
+        holders = list(who_has[key])
+        if slot == spec.root:
+            addresses.append(root)
+        elif spec.addresses[slot] in holders and spec.addresses[slot] not in avoid:
+            addresses.append(spec.addresses[slot])
+        else:
+            good = [h for h in holders if h not in avoid] or holders
+            addresses.append(good[0])
+    order = colocated_order(spec.parent, addresses, spec.root)
+    return dataclasses.replace(
+        spec,
+        rid=rid if spec.segment is None else segment_rid(rid, spec.segment[0]),
+        inputs=tuple(keys[i] for i in order),
+        addresses=tuple(addresses[i] for i in order),
+    )

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 from dask.typing import Key
 
-from dask_hoplite.core.planner import colocated_order
 from dask_hoplite.core.reduce_ops import resolve_op
-from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, join_segments, segment_rid
+from dask_hoplite.core.reduce_plan import relocated_spec
+from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, join_segments
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.core.tree_repair import (
     BreakTree,
@@ -507,24 +507,4 @@ class ReduceRoots:
             if not shunned or time.monotonic() > shun_until:
                 break
             await asyncio.sleep(0.1)
-        addresses = []
-        for slot, key in enumerate(keys):
-            holders = who_has[key]
-            if slot == spec.root:
-                addresses.append(self.ctx.address)
-            elif spec.addresses[slot] in holders and spec.addresses[slot] not in avoid:
-                addresses.append(spec.addresses[slot])
-            else:
-                good = [h for h in holders if h not in avoid] or holders
-                addresses.append(good[0])
-        # A lost input is often recomputed on a worker holding another one:
-        # put the two next to each other in the tree.
-        order = colocated_order(spec.parent, addresses, spec.root)
-        # A segment's tree keeps its segment in its id (logs, events).
-        rid = uuid.uuid4().hex
-        return dataclasses.replace(
-            spec,
-            rid=rid if spec.segment is None else segment_rid(rid, spec.segment[0]),
-            inputs=tuple(keys[i] for i in order),
-            addresses=tuple(addresses[i] for i in order),
-        )
+        return relocated_spec(spec, who_has, avoid, self.ctx.address, uuid.uuid4().hex)
