@@ -188,6 +188,10 @@ async def test_a_key_many_workers_wait_for_travels_in_byte_ranges(c, s, *workers
     # tree: no cut, no extra tasks, no join (one task per worker).
     assert sorted(records, key=str) == sorted(ranges * 6, key=str)
     assert len(s.tasks) == 1 + 7
+    # Each receiver counts the key once, received in ranges.
+    for w in workers[1:]:
+        stats = w.plugins["hoplite-worker"].stats
+        assert (stats["keys-received"], stats["keys-received-in-ranges"]) == (1, 1)
     # The worker's copy serves on: a later task on another worker finds it.
     directory = s.plugins["hoplite"].directory
     assert directory.ranges == {x.key: expected}

@@ -137,20 +137,7 @@ class Receiver:
                 if buf.progress:
                     self.ctx.event("resumes", key=str(key), byte=buf.progress, failed=sender)
                 continue
-            accounting.received(
-                self.ctx.worker, key, sender, start, dask_time(), buf.nbytes, outcome
-            )
-            self.senders[key] = sender
-            self.ctx.recent.append(
-                {
-                    "key": key,
-                    "sender": sender,
-                    "nbytes": buf.nbytes,
-                    "requested": t_request,
-                    "done": time.time(),
-                    "senders": [*excluded, sender],
-                }
-            )
+            self._received(buf, outcome, [*excluded, sender], start, t_request)
             return True, outcome
         if reply is None or reply.get("status") != "small":
             reason = reason or f"no sender finished the stream (tried {', '.join(excluded)})"
@@ -177,20 +164,7 @@ class Receiver:
         senders = [o for o in outcomes if isinstance(o, str)]
         if len(senders) == parts and buf.state is BufferState.COMPLETE:
             value = await self.ctx.deserialize(buf)
-            accounting.received(
-                self.ctx.worker, key, senders[0], start, dask_time(), buf.nbytes, value
-            )
-            self.senders[key] = senders[0]
-            self.ctx.recent.append(
-                {
-                    "key": key,
-                    "sender": senders[0],
-                    "nbytes": buf.nbytes,
-                    "requested": t_request,
-                    "done": time.time(),
-                    "senders": senders,
-                }
-            )
+            self._received(buf, value, senders, start, t_request)
             return True, value
         failed = next(o for o in outcomes if not isinstance(o, str))
         self.ctx.event("fallbacks", key=str(key), reason=failed[1], byte=buf.progress)
@@ -200,6 +174,27 @@ class Receiver:
         else:
             self._give_up(key, buf)
         return False, GONE if failed[0] is GONE else None
+
+    def _received(
+        self, buf: ObjectBuffer, value: Any, senders: list[str], start: float, t_request: float
+    ) -> None:
+        """``buf``'s key arrived whole (``value``) from ``senders`` (those it
+        gave up on first, or one per range): in Dask's transfer log (from the
+        last of them), the worker's counts and its recent transfers."""
+        key, sender = buf.key, senders[-1]
+        accounting.received(self.ctx.worker, key, sender, start, dask_time(), buf.nbytes, value)
+        self.senders[key] = sender
+        self.ctx.count("keys-received")
+        self.ctx.recent.append(
+            {
+                "key": key,
+                "sender": sender,
+                "nbytes": buf.nbytes,
+                "requested": t_request,
+                "done": time.time(),
+                "senders": senders,
+            }
+        )
 
     async def _fetch_range(
         self, buf: ObjectBuffer, j: int, parts: int, nbytes: int
@@ -306,9 +301,7 @@ class Receiver:
             ctx.count("bytes-received", n)
             if part is not None:
                 return _RANGE_DONE
-            value = await ctx.deserialize(buf)
-            ctx.count("keys-received")
-            return value
+            return await ctx.deserialize(buf)
         except LayoutChanged as e:
             logger.info("%s", e)
             return _RESTART
