@@ -111,7 +111,7 @@ class HopliteConfig:
     array_reductions: bool
     array_max_inputs: int
     bag_reductions: bool
-    broadcast_parts: int | None  # None: "auto" (core/shape_choice.py)
+    broadcast_parts: int | None  # None: "auto" (no cut; the directory may split into ranges)
     broadcast_ranges: int | None  # None: "auto" (core/shape_choice.py)
     plan_wait: float
     reduce_parts: int | None  # None: "auto" (core/shape_choice.py)
