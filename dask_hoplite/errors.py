@@ -15,6 +15,12 @@ class ProtocolError(ValueError):
     """A peer sent a message that does not follow the block-stream protocol."""
 
 
+class SenderBusy(ProtocolError):
+    """The sender refused a stream: Dask's limit on its concurrent transfers
+    out (``distributed.worker.connections.outgoing``) is reached. The
+    receiver takes another holder, or Dask's own path, which waits."""
+
+
 class LayoutMismatch(ProtocolError):
     """A child of a reduce node streams another size or mode than the tree's."""
 

@@ -42,6 +42,7 @@ def test_a_changed_internal_is_reported_by_name():
     assert "Worker.gather_dep (used by dask_hoplite/worker/receiver.py: override): " in message
     assert "its parameters are ['worker', 'to_gather', 'total_nbytes', 'stimulus_id']" in message
     assert "Worker.no_such_method" in message and "it is gone" in message
+    assert "; the transport turns off" in message  # the feature each one needs
     assert "dask-hoplite passes ['rpc', 'keys', 'worker', 'who', 'renamed']" in message
     assert "dask-hoplite uses ['key', 'gone_field']" in message
     with pytest.raises(UnsupportedDistributed, match="needs a live Worker"):

@@ -96,7 +96,7 @@ async def test_untested_distributed_is_refused_at_registration(c, s, a, monkeypa
     dask_hoplite.compat.installed_distributed_version = lambda: "2024.1.0"
     try:
         with pytest.raises(
-            Exception, match=r"tested with distributed >= 2026.8.0.*runs distributed 2024.1.0"
+            Exception, match=r"needs distributed >= 2026.3.0.*runs distributed 2024.1.0"
         ):
             await c.register_plugin(Hoplite())
     finally:
@@ -110,8 +110,12 @@ async def test_untested_distributed_is_refused_at_registration(c, s, a, monkeypa
 def test_check_distributed_version_messages():
     from dask_hoplite.compat import UnsupportedDistributed, check_distributed_version
 
-    check_distributed_version("2026.8.0")
-    for bad in ["2026.9.0", "2025.1.0", "not-a-version"]:
+    assert check_distributed_version("2026.8.0") is None
+    assert check_distributed_version("2026.3.0") is None
+    # Newer than tested: it starts, with a warning that says so.
+    warning = check_distributed_version("2026.9.0")
+    assert warning is not None and "2026.9.0, untested" in warning
+    for bad in ["2026.1.3", "2025.1.0", "not-a-version"]:
         with pytest.raises(UnsupportedDistributed):
             check_distributed_version(bad)
 
@@ -124,7 +128,7 @@ async def test_untested_distributed_is_refused_by_the_worker_part_too(c, s, a):
     dask_hoplite.compat.installed_distributed_version = lambda: "2024.1.0"
     try:
         with pytest.raises(
-            Exception, match=r"tested with distributed >= 2026.8.0.*runs distributed 2024.1.0"
+            Exception, match=r"needs distributed >= 2026.3.0.*runs distributed 2024.1.0"
         ):
             await c.register_plugin(HopliteWorker(), name="hoplite-worker")
     finally:

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from dask._task_spec import Alias, DataNode, Task, TaskRef, _identity_cast
+from dask._task_spec import Alias, DataNode, Task, TaskRef
+
+try:
+    from dask._task_spec import _identity_cast
+except ImportError:  # a release without it: the graph reductions turn off (compat), not this import
+    _identity_cast = None  # type: ignore[assignment]
 
 #: Fields of the per-chunk results of ``mean``: dicts of arrays, each summed.
 MEAN_FIELDS = ("n", "total")

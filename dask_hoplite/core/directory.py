@@ -157,6 +157,9 @@ class ObjectDirectory:
         self.split_parts: dict[Key, SplitPart] = {}
         #: Dask's keys split into byte ranges: how many ranges.
         self.ranges: dict[Key, int] = {}
+        #: Workers that cannot send (no running transport there): never
+        #: assigned as senders; what they hold travels Dask's way.
+        self.outsiders: set[str] = set()
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ events
@@ -202,10 +205,11 @@ class ObjectDirectory:
         if rec is None:
             rec = self.objects[key] = ObjectRecord(key)
         rec.holders = set(holders)
+        exclude = frozenset(exclude) | self.outsiders
         split = self.split_parts.get(key)
-        if split is not None and rec.holders:
+        if split is not None and rec.holders - self.outsiders:
             del self.split_parts[key]
-            source = min(rec.holders)
+            source = min(rec.holders - self.outsiders)
             plans = split_tree_parents(source, split.receivers, len(split.keys))
             rec.planned, rec.siblings = plans[split.part], split.keys
         existing = rec.incoming.get(receiver)
@@ -216,9 +220,9 @@ class ObjectDirectory:
         if receiver in rec.queue:
             rec.queue[receiver] |= frozenset(exclude)
             return Queued(key, receiver)
-        decision = self._assign(rec, receiver, frozenset(exclude))
+        decision = self._assign(rec, receiver, exclude)
         if isinstance(decision, Queued):
-            rec.queue[receiver] = frozenset(exclude)
+            rec.queue[receiver] = exclude
         elif isinstance(decision, Missing) and not rec.incoming and not rec.complete:
             del self.objects[key]
         return decision

@@ -57,15 +57,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from dask._task_spec import (
-    DataNode,
-    Task,
-    TaskRef,
-    _execute_subgraph,
-)
+from dask._task_spec import DataNode, Task, TaskRef
 from dask.typing import Key
 
 from dask_hoplite.core.aggregates import Aggregate, recognize
+
+try:
+    from dask._task_spec import _execute_subgraph
+except ImportError:  # a release without it: the graph reductions turn off (compat), not this import
+    _execute_subgraph = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 

@@ -135,6 +135,11 @@ def error_reply(message: str) -> dict[str, Any]:
     return {"status": "error", "message": message}
 
 
+#: A sender's answer to a stream request while Dask's limit on its transfers
+#: out is reached (as ``Worker.get_data`` answers Dask's own requests).
+BUSY_REPLY: dict[str, Any] = {"status": "busy"}
+
+
 def parse_block(msg: Any, expected_offset: int) -> tuple[int, Any]:
     if not isinstance(msg, dict) or "offset" not in msg or "data" not in msg:
         if isinstance(msg, dict) and msg.get("status") == "error":

@@ -10,6 +10,7 @@ only wires the rest into the scheduler and takes it out again:
 - :mod:`.first_ready`: the first ``k`` of a reduction's inputs to be ready;
 - :mod:`.collective_log`: what the collectives did, by kind and outcome;
 - :mod:`.metrics`: the scheduler part's Prometheus series;
+- :mod:`.peers`: which workers run which features (an outsider never sends);
 - :mod:`.replicate`, :mod:`.graph_rewrite`, :mod:`.amm`: one override of a Dask
   internal each (``replicate``, ``_create_taskstate_from_graph``, the Active
   Memory Manager's ``_find_dropper``), each undone exactly by its ``restore``

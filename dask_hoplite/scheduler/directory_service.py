@@ -169,7 +169,7 @@ class DirectoryService:
             for dts in ts.dependents or ()
             if dts.processing_on is not None
         }
-        receivers = (receivers | {receiver}) - set(holders)
+        receivers = (receivers | {receiver}) - set(holders) - self.directory.outsiders
         setting = self.config.broadcast_ranges
         if setting is None:
             hosts = {host_of(a) for a in receivers} | {host_of(a) for a in holders[:1]}

@@ -20,13 +20,26 @@ from distributed.protocol.pickle import dumps
 
 from dask_hoplite import logs
 from dask_hoplite._version import __version__
-from dask_hoplite.compat import check_distributed_version, check_internals
+from dask_hoplite.compat import (
+    check_distributed_version,
+    find_drifts,
+    installed_distributed_version,
+)
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.directory import ObjectDirectory
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.dashboard.live import live_state
 from dask_hoplite.dashboard.page import DashboardRoutes
-from dask_hoplite.errors import WorkerPartFailed
+from dask_hoplite.features import (
+    AMM_GUARD,
+    COLLECTIVES,
+    DASHBOARD,
+    GRAPH_REDUCTIONS,
+    REPLICATE,
+    TRANSPORT,
+    FeatureSet,
+    announce,
+)
 from dask_hoplite.patching import Override
 from dask_hoplite.scheduler.amm import StreamDropGuard
 from dask_hoplite.scheduler.client import METADATA_KEY
@@ -35,6 +48,7 @@ from dask_hoplite.scheduler.directory_service import DirectoryService
 from dask_hoplite.scheduler.first_ready import FirstReady
 from dask_hoplite.scheduler.graph_rewrite import GraphRewrite
 from dask_hoplite.scheduler.metrics import SCHEDULER_SERIES, SchedulerSource
+from dask_hoplite.scheduler.peers import Peers
 from dask_hoplite.scheduler.queries import SchedulerQueries
 from dask_hoplite.scheduler.replicate import ReplicateOverride
 from dask_hoplite.worker.context import PLUGIN_NAME
@@ -78,6 +92,10 @@ class Hoplite(SchedulerPlugin):
         self.first_ready: FirstReady | None = None
         self.collectives: CollectiveLog | None = None
         self.series: SchedulerSource | None = None
+        #: The features running on the scheduler (see :mod:`dask_hoplite.features`).
+        self.features: FeatureSet = FeatureSet.all_on()
+        #: The features running on each worker.
+        self.peers: Peers | None = None
         self.overrides: list[Override] = []
         #: The one handler table: RPC / stream-message name -> handler.
         self.handler_table: dict[str, Callable[..., Any]] = {}
@@ -92,8 +110,14 @@ class Hoplite(SchedulerPlugin):
 
     async def start(self, scheduler: Scheduler) -> None:
         logs.show_warnings()
-        check_distributed_version()
-        check_internals([scheduler])
+        untested = check_distributed_version()
+        if untested:
+            logger.warning(untested)
+        where = f"the scheduler {scheduler.address}"
+        self.features = FeatureSet.decide(find_drifts([scheduler], side="scheduler"))
+        announce(self.features, where, installed_distributed_version(), scheduler.log_event)
+        if TRANSPORT not in self.features:
+            return  # Dask's own transfers for everything; the warning said so
         config = self.config = HopliteConfig.from_dask_config()
         previous = scheduler.plugins.get(self.name)
         if isinstance(previous, Hoplite) and previous.scheduler is not None:
@@ -135,11 +159,18 @@ class Hoplite(SchedulerPlugin):
         self.first_ready = first_ready = FirstReady(s.tasks.get, network)
         self.replicator = ReplicateOverride(config, pins)
         collectives = self.collectives
-        page = DashboardRoutes(lambda: live_state(s, service, collectives, network))
-        self.overrides = [self.replicator, page]
-        if config.array_reductions or config.bag_reductions:
+        self.peers = peers = Peers(self.features, self._outsider, self._publish)
+        on = self.features
+        self.overrides = []
+        if REPLICATE in on:
+            self.overrides.append(self.replicator)
+        if DASHBOARD in on:
+            self.overrides.append(
+                DashboardRoutes(lambda: live_state(s, service, collectives, network))
+            )
+        if GRAPH_REDUCTIONS in on and (config.array_reductions or config.bag_reductions):
             self.overrides.append(GraphRewrite(config))
-        if config.protect_streams:
+        if AMM_GUARD in on and config.protect_streams:
             self.overrides.append(StreamDropGuard(directory.pinned, self.replicator.pinned))
         self.handler_table = {
             "hoplite_request": service.request,
@@ -153,6 +184,8 @@ class Hoplite(SchedulerPlugin):
             "hoplite_key_states": queries.key_states,
             "hoplite_task_worker": queries.task_worker,
             "hoplite_first_ready": first_ready.first_ready,
+            "hoplite_worker_features": peers.reported,
+            "hoplite_features": peers.to_msg,
         }
 
     def _install(self, s: Scheduler) -> None:
@@ -160,16 +193,36 @@ class Hoplite(SchedulerPlugin):
             _registry(s, name)[name] = handler
         for override in self.overrides:
             override.install(s)
-        # Clients ask this (a standard RPC) before calling hoplite's own.
-        s.set_metadata(keys=[METADATA_KEY], value=__version__)
-        if self.series is not None:
+        if self.series is not None and DASHBOARD in self.features:
             SCHEDULER_SERIES.add(self.series)
+        if self.peers is not None:
+            # Outsiders until their part reports its features.
+            self.peers.joined(list(s.workers))
+
+    def _outsider(self, address: str, outsider: bool) -> None:
+        """Whether the directory may hand ``address`` out as a sender."""
+        if self.directory is None:
+            return
+        if outsider:
+            self.directory.outsiders.add(address)
+        else:
+            self.directory.outsiders.discard(address)
+
+    def _publish(self) -> None:
+        """Clients and planning tasks ask the scheduler's metadata (a standard
+        RPC) whether the collectives run here: the version while the
+        scheduler and every worker run them, None otherwise (Dask's way)."""
+        s = self.scheduler
+        if s is None or self.peers is None:
+            return
+        value = __version__ if self.peers.everywhere(COLLECTIVES) else None
+        s.set_metadata(keys=[METADATA_KEY], value=value)
 
     def _uninstall(self) -> None:
         s, self.scheduler = self.scheduler, None
         if s is None:
             return
-        if self.series is not None:
+        if self.series is not None and DASHBOARD in self.features:
             SCHEDULER_SERIES.remove(self.series)
         for name, handler in self.handler_table.items():
             registry = _registry(s, name)
@@ -182,17 +235,19 @@ class Hoplite(SchedulerPlugin):
     async def _register_worker_part(self, scheduler: Scheduler) -> None:
         responses = await scheduler.register_worker_plugin(
             None,
-            dumps(HopliteWorker(__version__)),
+            dumps(HopliteWorker(__version__, sorted(self.features.on))),
             name=PLUGIN_NAME,
             idempotent=False,
         )
         failed = {a: r for a, r in responses.items() if r.get("status") != "OK"}
         if failed:
-            logger.error("hoplite worker part failed to start on %s", failed)
-            raise WorkerPartFailed(
-                "dask-hoplite's worker part failed to start on "
-                + ", ".join(f"{a}: {r.get('exception_text') or r}" for a, r in failed.items())
+            # Those workers keep Dask's own transfers (outsiders); the rest
+            # of the cluster runs hoplite.
+            logger.warning(
+                "dask-hoplite's worker part did not start on %s; they keep Dask's own transfers",
+                ", ".join(f"{a}: {r.get('exception_text') or r}" for a, r in failed.items()),
             )
+        self._publish()
 
     # -------------------------------------------------------- Dask's own events
 
@@ -202,6 +257,12 @@ class Hoplite(SchedulerPlugin):
         if self.first_ready is not None:
             self.first_ready.key_transitioned(key, finish)
 
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        if self.peers is not None and self.scheduler is not None:
+            self.peers.joined([worker])
+
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         if self.service is not None:
             self.service.worker_removed(worker)
+        if self.peers is not None and self.scheduler is not None:
+            self.peers.left(worker)

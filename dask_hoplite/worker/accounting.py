@@ -103,12 +103,18 @@ def received(
 
 
 @contextlib.contextmanager
-def sending(worker: Worker, key: Key, who: str | None, nbytes: int) -> Iterator[list[int]]:
+def sending(
+    worker: Worker, key: Key, who: str | None, nbytes: int, counted: bool = True
+) -> Iterator[list[int]]:
     """While a stream of ``nbytes`` bytes of ``key`` to ``who`` runs: count it
     in ``worker``'s open outgoing transfers and their totals, as
     ``Worker.get_data`` does, and log it when it ends. The caller puts the
     bytes actually sent in the yielded one-item list: a stream that broke is
-    logged with what it sent."""
+    logged with what it sent. Not ``counted``: the accounting is off
+    (:mod:`dask_hoplite.features`), nothing is recorded."""
+    if not counted:
+        yield [0]
+        return
     worker.transfer_outgoing_count += 1
     worker.transfer_outgoing_count_total += 1
     worker.transfer_outgoing_bytes += nbytes
@@ -145,6 +151,8 @@ def metered_as(
         @wraps(func)
         async def wrapper(self: Any, *args: Any, **kwargs: Any) -> T:
             worker: Worker = self.ctx.worker
+            if not self.ctx.accounting:
+                return await func(self, *args, **kwargs)
 
             def digest(label: Hashable, value: float, unit: str) -> None:
                 labels = label if isinstance(label, tuple) else (label,)

@@ -20,14 +20,15 @@ import functools
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask._task_spec import Task
 from dask.typing import Key
 from distributed import Reschedule
 from distributed.worker import Worker
-from distributed.worker_state_machine import ComputeTaskEvent, StateMachineEvent
+from distributed.worker_state_machine import StateMachineEvent
 
+from dask_hoplite.compat import private
 from dask_hoplite.core.graph_reduce import GraphReduce
 from dask_hoplite.core.reduce_plan import PlanRequest, Tree, is_small, plan_reduction
 from dask_hoplite.core.reduce_spec import check_input, select_field
@@ -36,6 +37,11 @@ from dask_hoplite.patching import AttributePatch
 from dask_hoplite.scheduler.client import network_estimate
 from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, run_on_loop
 from dask_hoplite.worker.reduce_root import ReduceRoots
+
+if TYPE_CHECKING:
+    from distributed.worker_state_machine import ComputeTaskEvent
+else:  # a name a release dropped turns off its feature, not this import
+    ComputeTaskEvent = private("distributed.worker_state_machine", "ComputeTaskEvent")
 
 logger = logging.getLogger(__name__)
 

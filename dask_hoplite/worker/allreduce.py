@@ -233,7 +233,8 @@ class Allreduce:
                     raw = raw_stream(comm) is not None
                     req = StreamRequest(src_key, 0, spec.block_bytes, None, raw=raw, who=w.address)
                     n = await receive_stream(comm, buf, req, stall_timeout=stall)
-            accounting.received(w, src_key, src_addr, start, dask_time(), n)
+            if self.ctx.accounting:
+                accounting.received(w, src_key, src_addr, start, dask_time(), n)
             self.ctx.count("bytes-received", n)
             result = await self.ctx.deserialize(buf)
         resolve_op(spec.op).finish(result, len(spec.inputs))

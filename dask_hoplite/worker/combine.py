@@ -260,7 +260,10 @@ class _RawInputs:
         job = self.job
         for inp in self.inputs:
             nbytes = max(0, min(inp.end, job.acc.nbytes) - inp.start)
-            accounting.received(job.ctx.worker, inp.key, inp.address, start, dask_time(), nbytes)
+            if job.ctx.accounting:
+                accounting.received(
+                    job.ctx.worker, inp.key, inp.address, start, dask_time(), nbytes
+                )
             job.ctx.count("bytes-received", nbytes)
 
 
@@ -343,7 +346,8 @@ async def _pull(job: NodeJob, child: int, buf: ObjectBuffer) -> int:
                 key = spec.partial_key(child)
                 req = StreamRequest(key, 0, spec.block_bytes, None, raw=raw, who=job.ctx.address)
                 n = await receive_stream(comm, buf, req, stall_timeout=stall)
-        accounting.received(job.ctx.worker, key, addr, start, dask_time(), n)
+        if job.ctx.accounting:
+            accounting.received(job.ctx.worker, key, addr, start, dask_time(), n)
         job.ctx.count("bytes-received", n)
         return n
     except BaseException as e:

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dask.typing import Key
 from distributed import secede
@@ -28,11 +28,17 @@ from distributed.metrics import context_meter, time
 from distributed.protocol import deserialize, serialize
 from distributed.utils import offload, sync
 from distributed.worker import Worker
-from distributed.worker_state_machine import SecedeEvent
 
+from dask_hoplite.compat import private
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.store import BlockStore, ObjectBuffer
 from dask_hoplite.errors import CollectiveAborted, ReduceInputError
+from dask_hoplite.features import ACCOUNTING, FEATURES
+
+if TYPE_CHECKING:
+    from distributed.worker_state_machine import SecedeEvent
+else:  # a name a release dropped turns off its feature, not this import
+    SecedeEvent = private("distributed.worker_state_machine", "SecedeEvent")
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +90,13 @@ class WorkerContext:
     background: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)
     #: The plugin was torn down: components stop taking new work.
     closed: bool = False
+    #: The features running on this worker (:mod:`dask_hoplite.features`).
+    features: frozenset[str] = frozenset(FEATURES)
+
+    @property
+    def accounting(self) -> bool:
+        """Whether hoplite's transfers go into Dask's own bookkeeping here."""
+        return ACCOUNTING in self.features
 
     @property
     def address(self) -> str:

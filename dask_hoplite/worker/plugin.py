@@ -23,11 +23,24 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_hoplite import logs
 from dask_hoplite._version import __version__
-from dask_hoplite.compat import check_distributed_version, check_internals
+from dask_hoplite.compat import (
+    check_distributed_version,
+    find_drifts,
+    installed_distributed_version,
+)
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.protocol import STREAM_OP
 from dask_hoplite.core.store import BlockStore, BufferPool
 from dask_hoplite.errors import NotRegistered, VersionMismatch
+from dask_hoplite.features import (
+    DASHBOARD,
+    FETCH,
+    GRAPH_REDUCTIONS,
+    REPLICATE,
+    TRANSPORT,
+    FeatureSet,
+    announce,
+)
 from dask_hoplite.patching import AttributePatch, ItemPatch
 from dask_hoplite.worker.aggregate import AggregateTakeover
 from dask_hoplite.worker.allreduce import Allreduce
@@ -66,11 +79,15 @@ class WorkerParts:
     prefaulter: Prefaulter | None
 
     @classmethod
-    def build(cls, worker: Worker, config: HopliteConfig) -> WorkerParts:
+    def build(
+        cls, worker: Worker, config: HopliteConfig, features: FeatureSet | None = None
+    ) -> WorkerParts:
         prefaulter = Prefaulter() if config.prefault else None
         pool = BufferPool(config.buffer_pool_bytes, prefaulter.submit if prefaulter else None)
         pool.reserve(config.buffer_pool_reserve, config.buffer_pool_reserve_regions)
         ctx = WorkerContext(worker, BlockStore(pool), config)
+        if features is not None:
+            ctx.features = features.on
         receiver = Receiver(ctx)
         reductions = RunningReductions(ctx)
         nodes = ReduceNodes(ctx, reductions)
@@ -91,6 +108,19 @@ class WorkerParts:
         )
 
 
+def _kept_for_subclasses(worker: Worker) -> dict[str, str]:
+    """The features this worker keeps Dask's way because its class overrides
+    what they replace: a ``Worker`` subclass's own ``gather_dep`` is called as
+    the subclass means it (hoplite replaces it on the instance, which would
+    hide the override), so such a worker fetches Dask's way."""
+    cls = type(worker)
+    if cls.gather_dep is not Worker.gather_dep:
+        why = f"{cls.__qualname__} overrides gather_dep; its override runs, Dask's fetch with it"
+        logger.info("worker %s: %s", worker.address, why)
+        return {FETCH: why}
+    return {}
+
+
 class HopliteWorker(WorkerPlugin):
     """Worker half of dask-hoplite. Users do not create this themselves: the
     scheduler plugin :class:`dask_hoplite.Hoplite` registers it.
@@ -100,24 +130,37 @@ class HopliteWorker(WorkerPlugin):
     scheduler_version:
         The dask-hoplite version of the scheduler that sent this plugin; a
         worker with another version refuses to start the plugin.
+    scheduler_features:
+        The features running on the scheduler (None: all); a worker runs
+        those of them whose internals hold on it.
     """
 
     name = PLUGIN_NAME
 
-    def __init__(self, scheduler_version: str = __version__) -> None:
+    def __init__(
+        self, scheduler_version: str = __version__, scheduler_features: list[str] | None = None
+    ) -> None:
         self.scheduler_version = scheduler_version
+        self.scheduler_features = scheduler_features
+        #: The features running on this worker.
+        self.features = FeatureSet.decide([], allowed=scheduler_features)
         self._parts: WorkerParts | None = None
         self._patches: list[AttributePatch | ItemPatch] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"scheduler_version": self.scheduler_version}
+        return {
+            "scheduler_version": self.scheduler_version,
+            "scheduler_features": self.scheduler_features,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["scheduler_version"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["scheduler_version"], state.get("scheduler_features")
+        )
 
     # ------------------------------------------------------------ lifecycle
 
-    def setup(self, worker: Worker) -> None:
+    async def setup(self, worker: Worker) -> None:
         if self.scheduler_version != __version__:
             raise VersionMismatch(
                 f"dask-hoplite {__version__} on worker {worker.address} does not match "
@@ -125,23 +168,45 @@ class HopliteWorker(WorkerPlugin):
                 "version everywhere. This worker keeps using Dask's own transfers."
             )
         check_distributed_version()
-        check_internals([worker])
-        parts = self._parts = WorkerParts.build(worker, HopliteConfig.from_dask_config())
+        features = self.features = FeatureSet.decide(
+            find_drifts([worker], side="worker"),
+            allowed=self.scheduler_features,
+            disabled=_kept_for_subclasses(worker),
+        )
+        announce(
+            features, f"worker {worker.address}", installed_distributed_version(), worker.log_event
+        )
+        if TRANSPORT in features:
+            self._install(worker, features)
+        try:
+            await worker.scheduler.hoplite_worker_features(
+                address=worker.address,
+                on=sorted(features.on),
+                off={o.feature: o.reason for o in features.off},
+            )
+        except Exception as e:  # an older scheduler part: it finds out by itself
+            logger.warning("could not tell the scheduler the features of %s: %s", worker.address, e)
+
+    def _install(self, worker: Worker, features: FeatureSet) -> None:
+        """Build the components and install the overrides of the features on."""
+        parts = self._parts = WorkerParts.build(worker, HopliteConfig.from_dask_config(), features)
         # Each override of a Dask internal is one patch, undone on its own.
-        self._patches = [
-            AttributePatch(worker, "gather_dep", parts.fetch_paths.gather_dep),
-            ItemPatch(worker.handlers, "gather", parts.fetch_paths.gather),
-            *(ItemPatch(worker.handlers, n, h) for n, h in self._handlers().items()),
-            parts.aggregates.install(worker),
-        ]
+        self._patches = [*(ItemPatch(worker.handlers, n, h) for n, h in self._handlers().items())]
+        if FETCH in features:
+            self._patches.append(AttributePatch(worker, "gather_dep", parts.fetch_paths.gather_dep))
+        if REPLICATE in features:
+            self._patches.append(ItemPatch(worker.handlers, "gather", parts.fetch_paths.gather))
+        if GRAPH_REDUCTIONS in features:
+            self._patches.append(parts.aggregates.install(worker))
         interval = 1000 * min(1.0, parts.ctx.config.buffer_pool_idle)
         trim = PeriodicCallback(self._trim_pool, interval)
         worker.periodic_callbacks[_TRIM_CALLBACK] = trim
         trim.start()
-        WORKER_SERIES.add(parts.ctx)
-        worker.metrics[METRIC] = ProgressReport(parts.ctx)
+        if DASHBOARD in features:
+            WORKER_SERIES.add(parts.ctx)
+            worker.metrics[METRIC] = ProgressReport(parts.ctx)
+            logs.to_worker_log(getattr(worker, "_deque_handler", None))
         logs.show_warnings()
-        logs.to_worker_log(getattr(worker, "_deque_handler", None))
         logger.debug("hoplite worker part installed on %s", worker.address)
 
     def _handlers(self) -> dict[str, Callable[..., Any]]:
@@ -167,8 +232,9 @@ class HopliteWorker(WorkerPlugin):
         p.ctx.closed = True
         if p.prefaulter is not None:
             p.prefaulter.close()
-        WORKER_SERIES.remove(p.ctx)
-        logs.off_worker_log(getattr(worker, "_deque_handler", None))
+        if DASHBOARD in self.features:
+            WORKER_SERIES.remove(p.ctx)
+            logs.off_worker_log(getattr(worker, "_deque_handler", None))
         if isinstance(worker.metrics.get(METRIC), ProgressReport):
             del worker.metrics[METRIC]
         p.fetch_paths.close()
@@ -220,6 +286,7 @@ class HopliteWorker(WorkerPlugin):
             "stats": dict(ctx.stats),
             "recent": list(ctx.recent),
             "version": __version__,
+            "features": self.features.to_msg(),
         }
 
     # ------------------------------------------------- state, for info and tests

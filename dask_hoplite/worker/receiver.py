@@ -24,23 +24,32 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
 from distributed import Reschedule
 from distributed.comm.core import CommClosedError
 from distributed.metrics import context_meter
 from distributed.metrics import time as dask_time
-from distributed.worker import WORKER_ANY_RUNNING, Worker, get_data_from_worker
-from distributed.worker_state_machine import GatherDepSuccessEvent, StateMachineEvent
+from distributed.worker import Worker
+from distributed.worker_state_machine import StateMachineEvent
 
+from dask_hoplite.compat import private
 from dask_hoplite.core.byte_ranges import range_bounds
 from dask_hoplite.core.protocol import PROTOCOL_VERSION, StreamRequest
 from dask_hoplite.core.store import BufferState, ObjectBuffer
-from dask_hoplite.errors import LayoutChanged, TransferFailed
+from dask_hoplite.errors import LayoutChanged, SenderBusy, TransferFailed
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import WorkerContext
 from dask_hoplite.worker.streams import pooled_comm, raw_stream, receive_stream
+
+if TYPE_CHECKING:
+    from distributed.worker import WORKER_ANY_RUNNING, get_data_from_worker
+    from distributed.worker_state_machine import GatherDepSuccessEvent
+else:  # a name a release dropped turns off its feature, not this import
+    WORKER_ANY_RUNNING = private("distributed.worker", "WORKER_ANY_RUNNING")
+    get_data_from_worker = private("distributed.worker", "get_data_from_worker")
+    GatherDepSuccessEvent = private("distributed.worker_state_machine", "GatherDepSuccessEvent")
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +191,8 @@ class Receiver:
         gave up on first, or one per range): in Dask's transfer log (from the
         last of them), the worker's counts and its recent transfers."""
         key, sender = buf.key, senders[-1]
-        accounting.received(self.ctx.worker, key, sender, start, dask_time(), buf.nbytes, value)
+        if self.ctx.accounting:
+            accounting.received(self.ctx.worker, key, sender, start, dask_time(), buf.nbytes, value)
         self.senders[key] = sender
         self.ctx.count("keys-received")
         self.ctx.recent.append(
@@ -305,6 +315,12 @@ class Receiver:
         except LayoutChanged as e:
             logger.info("%s", e)
             return _RESTART
+        except SenderBusy:
+            # Dask's limit on the sender's transfers out: another holder, or
+            # Dask's path (which waits for the sender, as Dask does).
+            logger.debug("%s is busy; %r from another holder", sender, key)
+            ctx.count("senders-busy")
+            return _FAILED
         except Exception as e:
             logger.warning(
                 "hoplite stream of %r from %s failed at byte %d (%s: %s); resuming elsewhere",

@@ -14,10 +14,11 @@ import logging
 from typing import Any
 
 from dask.typing import Key
+from distributed.comm import get_address_host
 from distributed.comm.core import Comm, CommClosedError
 from distributed.core import Status
 
-from dask_hoplite.core.protocol import StreamRequest, error_reply
+from dask_hoplite.core.protocol import BUSY_REPLY, StreamRequest, error_reply
 from dask_hoplite.core.reduce_spec import is_input_patch_key, is_partial_key
 from dask_hoplite.core.store import BufferState, ObjectBuffer
 from dask_hoplite.errors import ProtocolError
@@ -67,6 +68,28 @@ class Sender:
             )
         return buf
 
+    def busy(self, req: StreamRequest, peer: str) -> bool:
+        """Whether Dask's limit on this worker's concurrent transfers out is
+        reached, as ``Worker.get_data`` decides it for Dask's own: its
+        ``transfer_outgoing_count_limit`` (doubled for a peer on this host,
+        1 while paused), counting hoplite's streams out with Dask's. Only the
+        transfers the directory assigned are limited (their receiver can take
+        another holder); the streams of a reduce tree or an allreduce are
+        planned, and a node must read its children."""
+        if req.transfer_id is None:
+            return False
+        w = self.ctx.worker
+        limit = getattr(w, "transfer_outgoing_count_limit", False)
+        if limit is False or limit is None:
+            return False
+        if get_address_host(peer) == get_address_host(w.address):
+            limit *= 2
+        if w.status == Status.paused:
+            limit = 1
+        # With the accounting on, hoplite's streams are in Dask's count.
+        count = w.transfer_outgoing_count if self.ctx.accounting else self.ctx.outgoing
+        return bool(count >= limit)
+
     @accounting.metered_as("get-data")
     async def handle_stream(self, comm: Comm, **msg: Any) -> Status:
         """Peer handler ``hoplite_stream``: stream a key from a byte offset,
@@ -84,11 +107,23 @@ class Sender:
                 pass
             return Status.dont_reply
         who = req.who or comm.peer_address
+        if self.busy(req, comm.peer_address):
+            logger.debug("busy: no hoplite stream of %r to %s now", req.key, who)
+            ctx.count("requests-busy")
+            try:
+                await comm.write(BUSY_REPLY)
+            except (CommClosedError, OSError):
+                pass
+            return Status.dont_reply
         try:
             with (
                 ctx.streaming_out(),
                 accounting.sending(
-                    ctx.worker, req.key, who, req.stop(buf.nbytes) - req.start(buf.nbytes)
+                    ctx.worker,
+                    req.key,
+                    who,
+                    req.stop(buf.nbytes) - req.start(buf.nbytes),
+                    counted=ctx.accounting,
                 ) as sent,
             ):
                 n = await send_stream(

@@ -31,7 +31,7 @@ from dask_hoplite.core.protocol import (
     parse_block,
 )
 from dask_hoplite.core.store import BufferState, Layout, ObjectBuffer
-from dask_hoplite.errors import ProtocolError, StreamStalled, TransferFailed
+from dask_hoplite.errors import ProtocolError, SenderBusy, StreamStalled, TransferFailed
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,8 @@ async def open_stream(
     peer = comm.peer_address
     await comm.write(req.to_msg())
     reply = await _bounded(comm.read(), stall_timeout, "reply", peer)
+    if isinstance(reply, dict) and reply.get("status") == "busy":
+        raise SenderBusy(f"{peer} is at Dask's limit of transfers out")
     if not isinstance(reply, dict) or reply.get("status") != "OK":
         message = reply.get("message") if isinstance(reply, dict) else reply
         raise ProtocolError(f"{peer} refused to stream {req.key!r}: {message}")
