@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install dask-hoplite with its test extras into a fresh virtualenv and run
 # every check there: lint, types, the default test suite, the slow tests, the
+# default suite again against the oldest distributed it supports (in a second
+# fresh virtualenv: dask and distributed at compat.TESTED_RANGE's lower bound), the
 # package (sdist and wheel built, checked, the wheel installed in a fresh
 # virtualenv running the demo), README's demo command (ci/demo.sh) and the docs
 # (built with warnings as errors). Exits non-zero on any failure.
@@ -49,6 +51,19 @@ rc=$?
 set -e
 # pytest exits 5 when no test carries the mark; that is not a failure.
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
+# The oldest release the package admits, in a virtualenv of its own (the
+# newest, or whatever the index serves, ran above).
+oldest=$("$PY" -c "from dask_hoplite.compat import TESTED_RANGE; print(TESTED_RANGE[0])")
+old_venv=$(dirname "$venv")/venv-distributed-$oldest
+echo "== pytest (default suite) on dask and distributed $oldest, fresh virtualenv $old_venv"
+rm -rf "$old_venv"
+"$BASE_PY" -m venv "$old_venv"
+printf 'dask==%s\ndistributed==%s\n' "$oldest" "$oldest" > "$old_venv/constraints.txt"
+"$old_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    -c "$old_venv/constraints.txt" -e ".[test]"
+"$old_venv/bin/python" -c "import distributed; assert distributed.__version__ == '$oldest', distributed.__version__"
+"$old_venv/bin/python" -m pytest -m "not slow" -p no:cacheprovider
+rm -rf "$old_venv"
 bash ci/package.sh
 bash ci/demo.sh
 bash ci/docs.sh
