@@ -356,8 +356,18 @@ def find_drifts(
     return [
         Drift(i.feature, i.path, p)
         for i in internals
-        if (side is None or i.side == side) and (p := _problem(i, live, False)) is not None
+        if (side is None or i.side == side) and (p := _checked(i, live)) is not None
     ]
+
+
+def _checked(internal: Internal, live: Mapping[type, Any]) -> str | None:
+    """:func:`_problem`, with any error of the check itself reported as a
+    problem (a class that stopped being a dataclass, say): a check never
+    stops the plugin from starting."""
+    try:
+        return _problem(internal, live, False)
+    except Exception as e:
+        return f"it cannot be checked ({type(e).__name__}: {e})"
 
 
 def check_internals(

@@ -54,3 +54,16 @@ def test_the_list_names_where_each_internal_is_used():
     for internal in PRIVATE_INTERNALS:
         path = os.path.join(ROOT, "dask_hoplite", internal.used_by)
         assert os.path.exists(path) or os.path.exists(path + ".py"), internal
+
+
+def test_a_check_that_itself_fails_is_a_drift_not_a_crash():
+    """A release that turns a dataclass into a plain class makes the field
+    check raise; that internal is reported as drifted, nothing raises."""
+    from dask_hoplite.compat import find_drifts
+
+    not_a_dataclass = Internal(
+        "distributed.worker.Worker", "worker/receiver.py", "built", fields=("key",)
+    )
+    (drift,) = find_drifts(internals=[not_a_dataclass])
+    assert drift.internal == "distributed.worker.Worker" and drift.feature == "transport"
+    assert "cannot be checked (TypeError" in drift.problem
