@@ -90,6 +90,23 @@ async def test_worker_part_of_another_version_refuses_loudly(c, s, a, b):
     assert await c.submit(checksum, x, workers=[b.address]) == float(np.arange(100_000).sum())
 
 
+@gen_cluster(client=True, nthreads=[("", 1)], config=SMALL)
+async def test_a_newer_distributed_starts_with_a_warning(c, s, a):
+    """A release newer than the tested ones is not refused: the plugin
+    starts, says the release is untested, and works."""
+    from distributed.utils_test import captured_logger
+
+    orig = dask_hoplite.compat.installed_distributed_version
+    dask_hoplite.compat.installed_distributed_version = lambda: "2027.1.0"
+    try:
+        with captured_logger("dask_hoplite.scheduler.plugin") as log:
+            await c.register_plugin(Hoplite())
+    finally:
+        dask_hoplite.compat.installed_distributed_version = orig
+    assert "runs distributed 2027.1.0, untested" in log.getvalue()
+    assert "hoplite_request" in s.handlers and a.plugins["hoplite-worker"].running
+
+
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_untested_distributed_is_refused_at_registration(c, s, a, monkeypatch=None):
     orig = dask_hoplite.compat.installed_distributed_version
