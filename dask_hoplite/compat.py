@@ -65,7 +65,7 @@ __all__ = [
 #: The oldest and the newest release of distributed the test suite passed on
 #: (both included; the CI runs the oldest and the newest, docs/compatibility.md
 #: has the whole matrix). pyproject's lower bound is the first.
-TESTED_RANGE = (Version("2026.3.0"), Version("2026.8.0"))
+TESTED_RANGE = (Version("2025.12.0"), Version("2026.8.0"))
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,12 @@ from distributed.worker_state_machine import FreeKeysEvent
 
 import dask_hoplite.compat
 from dask_hoplite import Hoplite, HopliteWorker
+from dask_hoplite.compat import TESTED_RANGE
 from dask_hoplite.core.protocol import PROTOCOL_VERSION, STREAM_OP
 from dask_hoplite.core.store import BufferState, ObjectBuffer
 
 SMALL = {"hoplite.min-bytes": "64 KiB", "hoplite.min-block-bytes": "4 KiB"}
+LOW = TESTED_RANGE[0]
 
 
 def checksum(x):
@@ -113,7 +115,7 @@ async def test_untested_distributed_is_refused_at_registration(c, s, a, monkeypa
     dask_hoplite.compat.installed_distributed_version = lambda: "2024.1.0"
     try:
         with pytest.raises(
-            Exception, match=r"needs distributed >= 2026.3.0.*runs distributed 2024.1.0"
+            Exception, match=rf"needs distributed >= {LOW}.*runs distributed 2024.1.0"
         ):
             await c.register_plugin(Hoplite())
     finally:
@@ -127,12 +129,14 @@ async def test_untested_distributed_is_refused_at_registration(c, s, a, monkeypa
 def test_check_distributed_version_messages():
     from dask_hoplite.compat import UnsupportedDistributed, check_distributed_version
 
-    assert check_distributed_version("2026.8.0") is None
-    assert check_distributed_version("2026.3.0") is None
+    low, high = TESTED_RANGE
+    assert check_distributed_version(str(low)) is None
+    assert check_distributed_version(str(high)) is None
     # Newer than tested: it starts, with a warning that says so.
-    warning = check_distributed_version("2026.9.0")
-    assert warning is not None and "2026.9.0, untested" in warning
-    for bad in ["2026.1.3", "2025.1.0", "not-a-version"]:
+    newer = f"{high.major + 1}.1.0"
+    warning = check_distributed_version(newer)
+    assert warning is not None and f"{newer}, untested" in warning
+    for bad in [f"{low.major - 1}.1.0", "2024.1.0", "not-a-version"]:
         with pytest.raises(UnsupportedDistributed):
             check_distributed_version(bad)
 
@@ -145,7 +149,7 @@ async def test_untested_distributed_is_refused_by_the_worker_part_too(c, s, a):
     dask_hoplite.compat.installed_distributed_version = lambda: "2024.1.0"
     try:
         with pytest.raises(
-            Exception, match=r"needs distributed >= 2026.3.0.*runs distributed 2024.1.0"
+            Exception, match=rf"needs distributed >= {LOW}.*runs distributed 2024.1.0"
         ):
             await c.register_plugin(HopliteWorker(), name="hoplite-worker")
     finally:
