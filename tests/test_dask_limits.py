@@ -68,3 +68,29 @@ async def test_a_sender_at_dasks_transfer_limit_is_busy_for_hoplite_too(c, s, a,
     assert b.plugins[PLUGIN_NAME].stats.get("senders-busy", 0) >= 1
     a.transfer_outgoing_count_limit = 4
     assert await total == float(np.arange(100_000.0).sum())
+
+
+class CountingGetData(Worker):
+    """A subclass that serves its data its own way (``get_data``), as
+    distributed's own ``BrokenWorker`` tests do."""
+
+    def __init__(self, *args, **kwargs):
+        self.get_data_calls = 0
+        super().__init__(*args, **kwargs)
+
+    async def get_data(self, comm, *args, **kwargs):
+        self.get_data_calls += 1
+        return await super().get_data(comm, *args, **kwargs)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)], config=SMALL)
+async def test_a_subclass_that_serves_data_its_own_way_is_no_hoplite_peer(c, s, b):
+    await c.register_plugin(Hoplite())
+    async with CountingGetData(s.address, nthreads=1) as a:
+        x = c.submit(np.arange, 100_000, dtype="float64", workers=[a.address])
+        total = c.submit(np.sum, x, workers=[b.address])
+        assert await total == float(np.arange(100_000.0).sum())
+        assert a.get_data_calls == 1  # its own get_data served the key
+        plugin = a.plugins[PLUGIN_NAME]
+        assert not plugin.running and "transport" not in plugin.features
+        assert a.address in s.plugins["hoplite"].directory.outsiders

@@ -110,15 +110,22 @@ class WorkerParts:
 
 def _kept_for_subclasses(worker: Worker) -> dict[str, str]:
     """The features this worker keeps Dask's way because its class overrides
-    what they replace: a ``Worker`` subclass's own ``gather_dep`` is called as
-    the subclass means it (hoplite replaces it on the instance, which would
-    hide the override), so such a worker fetches Dask's way."""
+    what they replace or bypass. A ``Worker`` subclass's own ``gather_dep`` is
+    called as the subclass means it (hoplite replaces it on the instance,
+    which would hide the override): such a worker fetches Dask's way. One
+    that overrides ``get_data`` serves its data its own way, which hoplite's
+    streams would bypass: it is no hoplite peer at all (transport off)."""
     cls = type(worker)
+    kept: dict[str, str] = {}
+    if cls.get_data is not Worker.get_data:
+        kept[TRANSPORT] = f"{cls.__qualname__} overrides get_data; its data goes out its way"
     if cls.gather_dep is not Worker.gather_dep:
-        why = f"{cls.__qualname__} overrides gather_dep; its override runs, Dask's fetch with it"
+        kept[FETCH] = (
+            f"{cls.__qualname__} overrides gather_dep; its override runs, Dask's fetch with it"
+        )
+    for why in kept.values():
         logger.info("worker %s: %s", worker.address, why)
-        return {FETCH: why}
-    return {}
+    return kept
 
 
 class HopliteWorker(WorkerPlugin):

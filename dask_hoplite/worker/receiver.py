@@ -58,6 +58,7 @@ GONE = object()
 _FAILED = object()  # a stream ended without the whole object: resume elsewhere
 _RESTART = object()  # the sender holds another object: start over
 _RANGE_DONE = object()  # a byte range is in
+_BUSY = object()  # the sender is at Dask's limit of transfers out
 
 
 class Receiver:
@@ -113,7 +114,7 @@ class Receiver:
         sender after a failure, up to ``hoplite.resume-attempts`` times."""
         buf = self.ctx.store.announce(key)  # may be a partial copy left by an earlier attempt
         excluded: list[str] = []
-        gone = False
+        gone = busy = False
         reason = ""
         start = dask_time()
         for _attempt in range(self.ctx.config.max_resumes + 1):
@@ -141,14 +142,20 @@ class Receiver:
                 self.ctx.store.discard_if(key, buf)
                 buf = self.ctx.store.announce(key)
                 continue
-            if outcome is _FAILED:
+            if outcome is _BUSY and not buf.progress:
+                # Dask's limit on the sender's transfers out, and nothing to
+                # resume: Dask's path, which backs off and tries the other
+                # holders as Dask does.
+                busy = True
+                break
+            if outcome is _FAILED or outcome is _BUSY:
                 excluded.append(sender)
                 if buf.progress:
                     self.ctx.event("resumes", key=str(key), byte=buf.progress, failed=sender)
                 continue
             self._received(buf, outcome, [*excluded, sender], start, t_request)
             return True, outcome
-        if reply is None or reply.get("status") != "small":
+        if not busy and (reply is None or reply.get("status") != "small"):
             reason = reason or f"no sender finished the stream (tried {', '.join(excluded)})"
             self.ctx.event("fallbacks", key=str(key), reason=reason, byte=buf.progress)
         self._give_up(key, buf)
@@ -230,6 +237,9 @@ class Receiver:
             outcome = await self._stream_from(buf, sender, tid, nbytes, part=(j, parts))
             if outcome is _RESTART:
                 return _RESTART, f"range {j}: {key!r} changed"
+            if outcome is _BUSY:  # another holder for this range
+                excluded.append(sender)
+                continue
             if outcome is _FAILED:
                 excluded.append(sender)
                 self.ctx.event("resumes", key=str(key), byte=buf.progress, failed=sender)
@@ -316,11 +326,9 @@ class Receiver:
             logger.info("%s", e)
             return _RESTART
         except SenderBusy:
-            # Dask's limit on the sender's transfers out: another holder, or
-            # Dask's path (which waits for the sender, as Dask does).
-            logger.debug("%s is busy; %r from another holder", sender, key)
+            logger.debug("%s is busy for %r", sender, key)
             ctx.count("senders-busy")
-            return _FAILED
+            return _BUSY
         except Exception as e:
             logger.warning(
                 "hoplite stream of %r from %s failed at byte %d (%s: %s); resuming elsewhere",
