@@ -86,7 +86,9 @@ def _with_renamed_parameter(cls: type, name: str, old: str, new: str) -> Any:
 @contextmanager
 def _secede_event_without_a_field() -> Iterator[None]:
     fields = [
-        (f.name, f.type, f) for f in dataclasses.fields(wsm.SecedeEvent) if f.name != "compute_duration"
+        (f.name, f.type, f)
+        for f in dataclasses.fields(wsm.SecedeEvent)
+        if f.name != "compute_duration"
     ]
     changed = dataclasses.make_dataclass("SecedeEvent", fields, bases=(wsm.StateMachineEvent,))
     with mock.patch.object(wsm, "SecedeEvent", changed):
@@ -135,7 +137,9 @@ DRIFTS: dict[str, tuple[str, Callable[[], Any]]] = {
     "accounting": (
         "distributed.worker.Worker._get_cause",
         _patch(
-            Worker, "_get_cause", lambda: _with_renamed_parameter(Worker, "_get_cause", "keys", "ks")
+            Worker,
+            "_get_cause",
+            lambda: _with_renamed_parameter(Worker, "_get_cause", "keys", "ks"),
         ),
     ),
     "dashboard": (
@@ -170,7 +174,8 @@ def _installed(c: Client) -> dict[str, Any]:
         return {
             "running": bool(plugin is not None and plugin.running),
             "fetch": "gather_dep" in vars(dask_worker),
-            "replicate": getattr(dask_worker.handlers["gather"], "__self__", None) is not dask_worker,
+            "replicate": getattr(dask_worker.handlers["gather"], "__self__", None)
+            is not dask_worker,
         }
 
     return {"scheduler": c.run_on_scheduler(look), "workers": c.run(look_worker)}
@@ -181,7 +186,9 @@ def _check_results(c: Client) -> None:
     x = c.submit(np.arange, 200_000, dtype="float64", workers=[workers[0]])
     copies = dh.broadcast(x, workers=workers)
     assert all(np.array_equal(v, np.arange(200_000.0)) for v in c.gather(copies))
-    inputs = [c.submit(np.full, 50_000, i + 1.0, workers=[w], pure=False) for i, w in enumerate(workers)]
+    inputs = [
+        c.submit(np.full, 50_000, i + 1.0, workers=[w], pure=False) for i, w in enumerate(workers)
+    ]
     total = dh.reduce(inputs, op="sum").result()
     np.testing.assert_array_equal(total, np.full(50_000, float(sum(range(1, len(workers) + 1)))))
     arr = da.ones((400, 400), chunks=(100, 400))
@@ -196,9 +203,7 @@ def test_a_drift_turns_off_only_its_feature(feature, caplog):
         stack.enter_context(dask.config.set(CONFIG))
         stack.enter_context(caplog.at_level(logging.WARNING, logger="dask_hoplite"))
         cluster = stack.enter_context(
-            LocalCluster(
-                n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
-            )
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0")
         )
         c = stack.enter_context(Client(cluster))
         c.register_plugin(dh.Hoplite())  # the cluster starts, with the plugin
@@ -209,7 +214,9 @@ def test_a_drift_turns_off_only_its_feature(feature, caplog):
         ]
         # One warning for the feature, from each place that checks the
         # internal (the scheduler for its side, each worker for theirs).
-        assert warnings and all(f"turns off its {feature} " in w and internal in w for w in warnings)
+        assert warnings and all(
+            f"turns off its {feature} " in w and internal in w for w in warnings
+        )
         where = {w.split(": ")[0].split(" on ")[-1] for w in warnings}
         assert len(where) == len(warnings), warnings  # one per place, not repeated
         events = [e for _, e in c.get_events("hoplite") if e.get("action") == "feature-off"]
@@ -298,3 +305,29 @@ def test_a_worker_without_the_worker_part_gets_and_gives_keys_dasks_way():
         # The outsider leaves: the collectives run hoplite's trees again.
         c.retire_workers([outsider])
         assert c.sync(c.scheduler.get_metadata, keys=["dask-hoplite"], default=None) is not None
+
+
+def test_a_scheduler_side_transport_drift_leaves_dask_alone_everywhere(caplog):
+    """The scheduler's side of the transport drifts (a parameter of
+    ``Scheduler.register_worker_plugin``, which hoplite calls by keyword, is
+    renamed): the scheduler part installs nothing and registers no worker
+    part; the cluster runs on Dask's own transfers and gives right results."""
+    drifted = _with_renamed_parameter(Scheduler, "register_worker_plugin", "idempotent", "once")
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(Scheduler, "register_worker_plugin", drifted))
+        stack.enter_context(dask.config.set(CONFIG))
+        stack.enter_context(caplog.at_level(logging.WARNING, logger="dask_hoplite"))
+        cluster = stack.enter_context(
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0")
+        )
+        c = stack.enter_context(Client(cluster))
+        c.register_plugin(dh.Hoplite())
+        (warning,) = [r.getMessage() for r in caplog.records if "turns off its" in r.getMessage()]
+        assert "turns off its transport" in warning and "on the scheduler" in warning
+        assert "Scheduler.register_worker_plugin" in warning
+        (event,) = [e for _, e in c.get_events("hoplite") if e.get("action") == "feature-off"]
+        assert event["also_off"] == sorted(ALL - {TRANSPORT})
+        installed = _installed(c)
+        assert not any(installed["scheduler"].values())
+        assert not any(w["running"] or w["fetch"] for w in installed["workers"].values())
+        _check_results(c)
