@@ -186,7 +186,8 @@ def announce(
             "internal": off.drift.internal,
             "problem": off.drift.problem,
             "also_off": followers,
-            "where": where,
+            # Where it turned off ("the scheduler <address>" or "worker <address>").
+            "worker": where,
         }
         try:
             log_event("hoplite", event)
