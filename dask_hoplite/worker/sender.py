@@ -97,7 +97,10 @@ class Sender:
         ctx = self.ctx
         try:
             req = StreamRequest.parse(msg)
-            buf = await self._open(req)
+            # Busy first, as Dask's get_data: a refused request costs no
+            # serialisation of the held object.
+            busy = self.busy(req, comm.peer_address)
+            buf = None if busy else await self._open(req)
         except Exception as e:
             logger.info("refusing hoplite stream to %s: %s", comm.peer_address, e)
             ctx.event("requests-refused", peer=comm.peer_address, reason=str(e))
@@ -107,7 +110,7 @@ class Sender:
                 pass
             return Status.dont_reply
         who = req.who or comm.peer_address
-        if self.busy(req, comm.peer_address):
+        if buf is None:
             logger.debug("busy: no hoplite stream of %r to %s now", req.key, who)
             ctx.count("requests-busy")
             try:
