@@ -449,3 +449,40 @@ def test_reduce_to_an_unknown_worker_says_so(client):
     with pytest.raises(TypeError, match="to must be a worker address"):
         dh.reduce(futures, to=3)
     np.testing.assert_array_equal(dh.reduce(futures).result(), np.full(10, 2.0))
+
+
+def test_a_reduction_planned_twice_runs_twice_without_mixing(client):
+    """Dask recomputes a reduction's plan when the worker holding it dies, and
+    the result task may then run on a new root while its first run goes on.
+    Each computation of the plan is its own run: two plans of one request,
+    rooted on two workers and run at once, do not share partial results."""
+    from dask_hoplite.core.reduce_plan import PlanRequest
+    from dask_hoplite.worker import tasks
+
+    ws = workers(client)
+    inputs = [np.full(2**21, float(i + 1)) for i in range(3)]  # 16 MiB: a reduce tree
+    futures = [client.scatter(x, workers=[w]) for x, w in zip(inputs, ws, strict=True)]
+    from dask_hoplite.config import HopliteConfig
+
+    cfg = HopliteConfig.from_dask_config()
+    req = PlanRequest(
+        rid="twice",
+        op="sum",
+        inputs=tuple(f.key for f in futures),
+        k=3,
+        min_bytes=cfg.min_bytes,
+        block_bytes=cfg.block_bytes,
+    )
+    # the second run's inputs in another order: its tree differs from the first's
+    again = dataclasses.replace(req, inputs=req.inputs[::-1], to=ws[1])
+    plans = [
+        client.submit(tasks.plan_reduce, r, pure=False).result()
+        for r in (dataclasses.replace(req, to=ws[0]), again)
+    ]
+    assert plans[0]["rid"] != plans[1]["rid"]
+    runs = [
+        client.submit(tasks.run_reduce, p, workers=[to], pure=False)
+        for p, to in zip(plans, (ws[0], ws[1]), strict=True)
+    ]
+    for r in runs:
+        np.testing.assert_array_equal(r.result(timeout=60), np.full(2**21, 6.0))

@@ -23,7 +23,9 @@ from dask_hoplite.errors import ReduceInputLost
 logger = logging.getLogger(__name__)
 
 #: The scheduler's metadata entry that holds the running scheduler part's
-#: version (None or absent: dask-hoplite is not registered).
+#: version while the collectives run on every worker (None or absent:
+#: dask-hoplite is not registered, or some worker runs without its
+#: collectives, e.g. a mixed cluster; see ``Hoplite._publish``).
 METADATA_KEY = "dask-hoplite"
 #: How long a client trusts its last look at whether the plugin is registered.
 REGISTERED_TTL = 5.0

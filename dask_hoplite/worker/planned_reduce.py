@@ -21,6 +21,8 @@ it; Dask's own :class:`~distributed.KilledWorker` is raised as it is.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import uuid
 from typing import Any
 
 from dask.typing import Key
@@ -74,8 +76,14 @@ async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
         net = NetworkEstimate.from_msg(m["network"])
     else:
         chosen, who_has, nbytes = await _first_ready_without_plugin(w, keys, k)
-    plan = plan_reduction(req, chosen, who_has, nbytes, net)
-    await w.scheduler.set_restrictions(worker={req.result: [plan.root]})
+    # Each computation of the plan is its own run: Dask computes the plan
+    # again when the worker holding it dies, and the result task may then run
+    # on a new root while the first run goes on; partial results and reduce
+    # nodes are named after the run, so the two never share them.
+    run = dataclasses.replace(req, rid=f"{req.rid}-{uuid.uuid4().hex[:8]}")
+    plan = plan_reduction(run, chosen, who_has, nbytes, net)
+    if req.result is not None:
+        await w.scheduler.set_restrictions(worker={req.result: [plan.root]})
     return plan.to_msg()
 
 
