@@ -1,8 +1,8 @@
 """Dask and dask-hoplite for the peers benchmark: the public collectives of
 ``dask_hoplite`` on futures, with the plugin registered (``hoplite``) and
 without it (``dask``: every call then runs the way Dask alone does it, a
-reduction is one task on the first input's worker and copies are tasks that
-depend on it; see ``dask_hoplite/collectives/allreduce_tasks.py``).
+reduction is one task on the first input's worker and the other outputs fetch
+its result; see ``dask_hoplite/worker/planned_outputs.py``).
 
 One Dask cluster per system: a scheduler on the ``sched`` host, one worker
 process (one thread) per worker host, the client in this process (which must

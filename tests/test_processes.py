@@ -11,6 +11,7 @@ import pytest
 from conftest import process_workers
 from distributed import Client, LocalCluster, wait
 
+import dask_hoplite as dh
 from dask_hoplite import Hoplite
 from dask_hoplite.compat import worker_addresses
 
@@ -177,27 +178,6 @@ def test_sum_of_eight_256_mib_chunks_on_eight_workers():
         assert streamed >= 7 * 2**28, streamed
 
 
-async def _allreduce_rooted_at_first(c, futures):
-    """dh.allreduce's small path with the root on the first input's worker."""
-    import uuid
-
-    from dask_hoplite.collectives.allreduce_tasks import _allreduce_small, _locate
-    from dask_hoplite.core.reduce_plan import OneTask
-
-    keys = [f.key for f in futures]
-    who_has, _, _ = await _locate(c, keys)
-    held_by = [who_has[k][0] for k in keys]
-    plan = OneTask(
-        rid=uuid.uuid4().hex,
-        op="sum",
-        chosen=tuple(keys),
-        spares=(),
-        worker=held_by[0],
-        copies=tuple(sorted(set(held_by) - {held_by[0]})),
-    )
-    return _allreduce_small(c, futures, plan)
-
-
 def _counter(dask_worker, name):
     p = dask_worker.plugins.get("hoplite-worker")
     return p.stats.get(name, 0) if p else 0
@@ -213,17 +193,22 @@ def test_small_allreduce_survives_the_death_of_its_roots_worker():
     import signal
     import time
 
-    with process_workers(3) as (cluster, c):
+    # work stealing off: the root stays behind the busy thread
+    with (
+        dask.config.set({"distributed.scheduler.work-stealing": False}),
+        process_workers(3) as (cluster, c),
+    ):
         ws = worker_addresses(c)
-        futures = [
-            c.submit(np.full, 10, float(i + 1), workers=[w], allow_other_workers=True)
-            for i, w in enumerate(ws)
-        ]
-        wait(futures)
+        futures = []
+        for i, w in enumerate(ws):  # ready in order: the root is on the first's worker
+            futures.append(
+                c.submit(np.full, 10, float(i + 1), workers=[w], allow_other_workers=True)
+            )
+            wait(futures)
         blocker = c.submit(time.sleep, 60, workers=[ws[0]], pure=False)
         while c.processing(ws[0])[ws[0]] == ():
             time.sleep(0.01)
-        parts = c.sync(_allreduce_rooted_at_first, c, futures)
+        parts = dh.allreduce(futures, "sum")
         assert len(parts) == 3
         time.sleep(0.5)  # the copies are waiting for the root
         assert not any(p.done() for p in parts)

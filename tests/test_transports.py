@@ -95,8 +95,11 @@ def test_reduce_over_inproc_uses_buffered_children():
             ]
             total = dh.reduce(futures, "sum")  # a Future at once, as client.submit
             np.testing.assert_array_equal(await total, sum(arrays))
-            parts = await dh.allreduce(futures, "max")
+            parts = dh.allreduce(futures, "max")  # Futures at once, one per input
+            assert len(parts) == len(futures)
             for p in parts:
                 np.testing.assert_array_equal(await p, arrays[-1])
+            for value in await c.gather(parts):  # the values, in input order
+                np.testing.assert_array_equal(value, arrays[-1])
 
     asyncio.run(main())

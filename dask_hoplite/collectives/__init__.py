@@ -5,25 +5,29 @@
     total = dh.reduce(futures, op="sum")          # Future on one worker
     total = dh.reduce(futures, op="sum", k=6)     # the first 6 of n inputs to be ready
     dh.reduced_inputs(total)                      # which inputs the result contains
-    parts = dh.allreduce(futures, op="max")       # Futures, one per input's worker
+    parts = dh.allreduce(futures, op="max")       # Futures, one per input, on its worker
     rows  = dh.gather(futures, to=address)        # Future of the list, on one worker
-    every = dh.allgather(futures)                 # Futures of the list, one per worker
+    every = dh.allgather(futures)                 # Futures of the list, one per input
     copy  = dh.broadcast(future, workers=[...])   # Futures, one per worker
 
-Results are ordinary futures. Inputs may be futures, or Delayed objects and
-Dask collections (computed first). With an asynchronous client, ``await`` them.
+Every collective returns at once, like ``client.submit``, on a synchronous
+or an asynchronous client: the inputs may still be running, and the
+collective is planned on the cluster when they are ready. Results are
+ordinary futures (``await`` one for its value on an asynchronous client); the
+collectives with several outputs return a list, like ``client.map``, in the
+order of the inputs (of ``workers`` for ``broadcast``). Inputs may be
+futures, or Delayed objects and Dask collections (computed first).
 
 ``reduce`` and ``allreduce`` run as :mod:`dask_hoplite.core.reduce_plan` plans
-them (pipelined reduce trees, :mod:`dask_hoplite.worker.reduce_root`); the
-others ride on hoplite's pipelined transfers of large keys. On a cluster where
+them on the cluster (pipelined reduce trees, :mod:`dask_hoplite.worker.reduce_root`;
+:mod:`dask_hoplite.worker.planned_reduce`, :mod:`dask_hoplite.worker.planned_outputs`);
+the others ride on hoplite's pipelined transfers of large keys. On a cluster where
 dask-hoplite is not registered every call still works, the way Dask alone
 would do it: a reduction is one task on the first input's worker, copies are
 tasks that depend on it.
 
 This package's ``__init__`` is the public API; the rest:
 
-* :mod:`.allreduce_tasks`: the client side of ``allreduce`` (its plan, the tasks
-  that run it), and Dask's way without the plugin;
 * :mod:`.split_broadcast`: the split-tree path of ``broadcast`` (``parts`` above 1);
 * :mod:`.futures`: inputs as futures, kept alive while a reduction reads them.
 
@@ -39,9 +43,8 @@ from typing import Any
 
 import dask
 from dask import delayed
-from distributed import Client, Future
+from distributed import Future
 
-from dask_hoplite.collectives import allreduce_tasks
 from dask_hoplite.collectives.futures import (
     INPUTS_ATTR,
     as_futures,
@@ -53,9 +56,9 @@ from dask_hoplite.collectives.futures import (
 from dask_hoplite.collectives.split_broadcast import split_broadcast
 from dask_hoplite.compat import worker_addresses
 from dask_hoplite.config import HopliteConfig
+from dask_hoplite.core.allreduce_outputs import output_keys
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_plan import PlanRequest
-from dask_hoplite.scheduler.client import hoplite_registered
 from dask_hoplite.worker import tasks
 
 logger = logging.getLogger(__name__)
@@ -162,7 +165,8 @@ async def _reduced_inputs(plan: Future) -> list[Any]:
 def broadcast(
     future: Any, workers: Sequence[str] | None = None, parts: int | None = None
 ) -> list[Future]:
-    """One copy of ``future`` on each of ``workers`` (default: all), as futures.
+    """One copy of ``future`` on each of ``workers`` (default: all), as futures
+    in the order of ``workers``, returned at once.
 
     ``parts`` (default ``hoplite.broadcast.parts``): above 1, the object is
     cut into that many parts, each broadcast down its own tree
@@ -173,18 +177,27 @@ def broadcast(
     one task per worker depends on the object, and the directory splits its
     bytes into ranges when the workers are many
     (``hoplite.broadcast.ranges``), with no copy to join them.
+
+    An asynchronous client cannot list the workers without waiting: there,
+    pass ``workers``.
     """
     cfg = HopliteConfig.from_dask_config()
     parts = _parts_arg("broadcast", parts, cfg.broadcast_parts)
     client = client_of([future])
     [f] = as_futures(client, [future])
     if workers is None:
+        if client.asynchronous:
+            raise ValueError(
+                "broadcast on an asynchronous client needs workers=: the client cannot "
+                "list the workers without waiting; e.g. workers = list((await "
+                "client.scheduler.identity(n_workers=-1))['workers'])"
+            )
         workers = worker_addresses(client)
+    workers = list(workers)
     if not workers:
         raise ValueError("broadcast needs at least one worker")
     if parts is not None and parts > 1 and len(workers) > 2:
-        if client.sync(hoplite_registered, client):
-            return split_broadcast(client, f, list(workers), parts)
+        return split_broadcast(client, f, workers, parts)
     # One graph: the directory sees every receiver waiting at the first
     # request, when it decides whether to split the object into ranges.
     copies = []
@@ -202,32 +215,61 @@ def gather(inputs: Sequence[Any], to: str) -> Future:
     return client.submit(as_list, *futures, workers=[to], allow_other_workers=False, pure=False)
 
 
-async def _holders(client: Client, futures: list[Future]) -> list[str]:
-    from distributed import wait
-
-    await wait(futures)
-    who_has = await client.scheduler.who_has(  # type: ignore[union-attr]
-        keys=[f.key for f in futures]
+def _outputs_request(inputs: Sequence[Any], op: str, allreduce: bool) -> tuple[Any, ...]:
+    """The client, the inputs as futures and the request of a collective
+    with one output per input (planned on the cluster)."""
+    client = client_of(inputs)
+    futures = as_futures(client, inputs)
+    if not futures:
+        raise ValueError(f"{'allreduce' if allreduce else 'allgather'} needs at least one input")
+    cfg = HopliteConfig.from_dask_config()
+    req = PlanRequest(
+        rid=uuid.uuid4().hex,
+        op=op,
+        inputs=tuple(f.key for f in futures),
+        k=len(futures),
+        min_bytes=cfg.min_bytes,
+        block_bytes=cfg.block_bytes,
+        allreduce=allreduce,
+        segment_min_bytes=cfg.segment_min_bytes,
     )
-    return sorted({w for f in futures for w in who_has.get(f.key) or ()})
-
-
-async def _allgather_async(client: Client, futures: list[Future]) -> list[Future]:
-    return [
-        client.submit(as_list, *futures, workers=[w], allow_other_workers=False, pure=False)
-        for w in await _holders(client, futures)
-    ]
+    return client, futures, req
 
 
 def allgather(inputs: Sequence[Any]) -> list[Future]:
-    """The list of ``inputs`` on every worker that holds one of them."""
-    client = client_of(inputs)
-    return client.sync(_allgather_async, client, as_futures(client, inputs))
+    """The list of ``inputs`` on the worker of each input: one future per
+    input, in input order, returned at once. Output ``i`` is made where input
+    ``i`` is once all are ready (several outputs on one worker share the
+    objects); Dask fetches the others' inputs, through hoplite's pipelined
+    streams where it runs."""
+    client, futures, req = _outputs_request(inputs, "gather", allreduce=False)
+    outputs = output_keys(req)
+    dsk: dict[Any, Any] = {req.plan_key: (tasks.place_allgather, req)}
+    for key in outputs:
+        dsk[key] = (tasks.gathered, req.plan_key, *futures)
+    # the planning task stays while the outputs need it: they depend on it
+    _, *results = client.get(dsk, [req.plan_key, *outputs], allow_other_workers=True, sync=False)
+    return results
 
 
 def allreduce(inputs: Sequence[Any], op: Any = "sum") -> list[Future]:
-    """The reduction of ``inputs``, on every worker that holds one of them:
-    the root's result first, then one copy per other worker. The copies stream
-    the result through a chain while the reduce tree is still producing it."""
-    client = client_of(inputs)
-    return client.sync(allreduce_tasks.plan_and_submit, client, as_futures(client, inputs), op)
+    """The reduction of ``inputs`` (as :func:`reduce`) on the worker of each
+    input: one future per input, in input order, returned at once.
+
+    Once every input is ready, the reduction is planned on the cluster
+    (:mod:`dask_hoplite.worker.planned_outputs`): one reduce tree whose
+    result streams down a chain of copies while it is produced, or one
+    pipeline per segment; several outputs on one worker share one object.
+    :func:`reduced_inputs` of any output names the inputs."""
+    name = resolve_op(op).name
+    client, futures, req = _outputs_request(inputs, name, allreduce=True)
+    outputs = output_keys(req)
+    dsk: dict[Any, Any] = {req.plan_key: (tasks.plan_allreduce, req)}
+    for i, key in enumerate(outputs):
+        dsk[key] = (tasks.allreduce_output, req.plan_key, i)
+    plan, *results = client.get(dsk, [req.plan_key, *outputs], allow_other_workers=True, sync=False)
+    for r in results:
+        setattr(r, INPUTS_ATTR, plan)
+    # The inputs stay while the outputs may read them (outside Dask's graph).
+    keep_until_done(futures, results)
+    return results

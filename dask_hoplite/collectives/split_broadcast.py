@@ -1,10 +1,11 @@
 """The split-tree path of :func:`dask_hoplite.broadcast` (``parts`` above 1).
 
 The object is cut where it is into ``parts`` keys
-(:mod:`dask_hoplite.core.object_parts`), the scheduler's directory is told
-that they are the parts of one broadcast to the given workers (it plans one
-tree per part, :mod:`dask_hoplite.core.split_trees`), and a task on every
-worker joins the parts, which Dask fetches through hoplite's streams.
+(:mod:`dask_hoplite.core.object_parts`), a task tells the scheduler's
+directory that they are the parts of one broadcast to the given workers (it
+plans one tree per part, :mod:`dask_hoplite.core.split_trees`; without
+dask-hoplite the task does nothing), and a task on every worker joins the
+parts, which Dask fetches through hoplite's streams.
 """
 
 from __future__ import annotations
@@ -12,22 +13,26 @@ from __future__ import annotations
 from distributed import Client, Future
 
 from dask_hoplite.core import object_parts
+from dask_hoplite.worker import tasks
 
 
 def split_broadcast(client: Client, f: Future, workers: list[str], parts: int) -> list[Future]:
-    """Cut ``f`` where it is, announce the parts' trees to the directory,
-    then join the parts on every worker."""
+    """Cut ``f`` where it is, announce the parts' trees to the directory (a
+    task, so that nothing here waits), then join the parts on every worker
+    once the announcement is made."""
     flat = client.submit(object_parts.flatten, f, pure=False)
     meta = client.submit(object_parts.meta_of, f, pure=False)
     cut = [client.submit(object_parts.part_of, flat, j, parts, pure=False) for j in range(parts)]
-    client.sync(
-        client.scheduler.hoplite_plan_split,  # type: ignore[union-attr]
-        keys=[p.key for p in cut],
-        receivers=workers,
-    )
+    announced = client.submit(tasks.announce_split, [p.key for p in cut], list(workers), pure=False)
     return [
         client.submit(
-            object_parts.join_parts, meta, *cut, workers=[w], allow_other_workers=False, pure=False
+            tasks.join_split_parts,
+            announced,
+            meta,
+            *cut,
+            workers=[w],
+            allow_other_workers=False,
+            pure=False,
         )
         for w in workers
     ]

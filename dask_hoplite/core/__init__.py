@@ -9,6 +9,8 @@ events, returning decisions, with no sockets and no event loop inside.
 * :mod:`~dask_hoplite.core.planner`: the shape of a reduce tree;
 * :mod:`~dask_hoplite.core.shape_choice`: one tree or split trees, and how many parts;
 * :mod:`~dask_hoplite.core.reduce_plan`: how one reduction runs once its inputs are ready;
+* :mod:`~dask_hoplite.core.allreduce_outputs`: an allreduce's outputs, one per input:
+  which worker makes each and how (root, copy, part, pull, alias);
 * :mod:`~dask_hoplite.core.reduce_spec`: a reduce tree as data, and input checks;
 * :mod:`~dask_hoplite.core.reduce_ops`: the operators and their dtypes;
 * :mod:`~dask_hoplite.core.tree_repair`: the repair state machine of a running tree;

@@ -278,12 +278,7 @@ def _plan(
     nbytes: Mapping[Key, int],
     net: NetworkEstimate | None,
 ) -> Plan:
-    addresses = []
-    for key in chosen:
-        holders = sorted(who_has.get(key) or ())
-        if not holders:
-            raise ReduceInputLost(f"input {key!r} of the reduction has no holder to plan with")
-        addresses.append(req.to if req.to in holders else holders[0])
+    addresses = [input_worker(key, who_has, req.to) for key in chosen]
     if req.root_input is not None:
         assert req.to is not None, "root_input goes with to"
         addresses[req.root_input] = req.to
@@ -332,6 +327,15 @@ def _plan(
         req.rid, req.op, chosen, addresses, net, size, req.block_bytes, req.to, req.root_input
     )
     return Tree(**base, spec=spec, leaves=req.leaves)
+
+
+def input_worker(key: Key, who_has: Mapping[Key, Sequence[str]], to: str | None) -> str:
+    """The worker a plan takes input ``key`` from: ``to`` if it holds it,
+    else the first of its holders."""
+    holders = sorted(who_has.get(key) or ())
+    if not holders:
+        raise ReduceInputLost(f"input {key!r} of the reduction has no holder to plan with")
+    return to if to is not None and to in holders else holders[0]
 
 
 def tree_spec(

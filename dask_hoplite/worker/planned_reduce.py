@@ -47,7 +47,7 @@ from dask_hoplite.worker.context import PLUGIN_NAME
 from dask_hoplite.worker.receiver import get_data_or_reschedule
 
 
-def _worker_part(w: Worker) -> Any:
+def running_part(w: Worker) -> Any:
     """The running worker part (:class:`~dask_hoplite.worker.plugin.WorkerParts`)
     or None where dask-hoplite is not installed."""
     plugin = w.plugins.get(PLUGIN_NAME)
@@ -58,33 +58,51 @@ def _worker_part(w: Worker) -> Any:
 async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
     """The plan of reduction ``req`` once ``k`` of its inputs are ready; the
     result task is then restricted to the plan's root."""
-    keys: list[Key] = list(req.inputs)
-    k = req.k
     if req.to is not None:
         workers = (await w.scheduler.identity())["workers"]
         if req.to not in workers:
             raise ValueError(
                 f"to={req.to!r} is not a worker of this cluster; workers: {sorted(workers)}"
             )
-    registered = await w.scheduler.get_metadata(keys=[METADATA_KEY], default=None)
-    net: NetworkEstimate | None = None
-    if registered is not None:
-        m = await w.scheduler.hoplite_first_ready(keys=keys, k=k)
-        if "failed" in m:
-            await _raise_lost(m["failed"], m["state"], _exception(m.get("exception")))
-        chosen, who_has, nbytes = m["chosen"], m["who_has"], m["nbytes"]
-        net = NetworkEstimate.from_msg(m["network"])
-    else:
-        chosen, who_has, nbytes = await _first_ready_without_plugin(w, keys, k)
-    # Each computation of the plan is its own run: Dask computes the plan
-    # again when the worker holding it dies, and the result task may then run
-    # on a new root while the first run goes on; partial results and reduce
-    # nodes are named after the run, so the two never share them.
-    run = dataclasses.replace(req, rid=f"{req.rid}-{uuid.uuid4().hex[:8]}")
-    plan = plan_reduction(run, chosen, who_has, nbytes, net)
+    ready = await first_ready(w, req)
+    plan = plan_reduction(this_run(req), ready.chosen, ready.who_has, ready.nbytes, ready.net)
     if req.result is not None:
         await w.scheduler.set_restrictions(worker={req.result: [plan.root]})
     return plan.to_msg()
+
+
+def this_run(req: PlanRequest) -> PlanRequest:
+    """``req`` as one computation of its plan, with an id of its own.
+
+    Each computation of a plan is its own run: Dask computes the plan again
+    when the worker holding it dies, and the tasks that run it may then start
+    on a new root while the first run goes on; partial results and reduce
+    nodes are named after the run, so the two never share them."""
+    return dataclasses.replace(req, rid=f"{req.rid}-{uuid.uuid4().hex[:8]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """The first ``k`` inputs of a request to be ready, where they are, their
+    sizes, and the network estimate (None: dask-hoplite is not registered)."""
+
+    chosen: list[Key]
+    who_has: dict[Key, list[str]]
+    nbytes: dict[Key, int]
+    net: NetworkEstimate | None
+
+
+async def first_ready(w: Worker, req: PlanRequest) -> Ready:
+    """The first ``req.k`` of ``req.inputs`` to be ready, waited for on the
+    cluster (raising the error of an input that cannot come back)."""
+    keys: list[Key] = list(req.inputs)
+    registered = await w.scheduler.get_metadata(keys=[METADATA_KEY], default=None)
+    if registered is None:
+        return Ready(*await _first_ready_without_plugin(w, keys, req.k), None)
+    m = await w.scheduler.hoplite_first_ready(keys=keys, k=req.k)
+    if "failed" in m:
+        await _raise_lost(m["failed"], m["state"], _exception(m.get("exception")))
+    return Ready(m["chosen"], m["who_has"], m["nbytes"], NetworkEstimate.from_msg(m["network"]))
 
 
 async def _first_ready_without_plugin(
@@ -142,7 +160,7 @@ async def _raise_lost(key: Key, state: str | None, exception: BaseException | No
 async def run_plan(w: Worker, plan_msg: dict[str, Any]) -> Any:
     """The result of reduction ``plan_msg`` (this is its result task)."""
     plan = plan_from_msg(plan_msg)
-    part = _worker_part(w)
+    part = running_part(w)
     if isinstance(plan, OneTask):
         chosen = list(plan.chosen)
         return reduce_values(plan.op, chosen, await fetch_values(w, part, chosen))
