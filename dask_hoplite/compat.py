@@ -166,6 +166,8 @@ PRIVATE_INTERNALS: tuple[Internal, ...] = (
     *_feature(COLLECTIVES,
         Internal(f"{_WSM}.SecedeEvent", "worker/small_allreduce.py", "a coroutine task leaves its thread slot",
                  fields=("stimulus_id", "key", "compute_duration")),
+        Internal(f"{_S}.stream_comms", "scheduler/cancellation.py", "stops a cancelled collective on its worker"),
+        Internal(f"{_W}.stream_handlers", "worker/running_tasks.py", "hoplite-cancel, from the scheduler part"),
     ),
     # ---- the AMM guard
     *_feature(AMM_GUARD,

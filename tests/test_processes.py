@@ -222,3 +222,69 @@ def test_small_allreduce_survives_the_death_of_its_roots_worker():
         # result; neither had to reduce the inputs itself
         assert sum(c.run(_counter, name="results-pulled").values()) == 2
         assert sum(c.run(_counter, name="allreduce-fallbacks").values()) == 0
+
+
+def _partials(dask_worker):
+    """The partial results of reductions in this worker's hoplite store."""
+    from dask_hoplite.core.reduce_spec import is_partial_key
+
+    p = dask_worker.plugins.get("hoplite-worker")
+    return [str(k) for k in p.store.buffers if is_partial_key(k)] if p else []
+
+
+def _stall_timeout(dask_worker, seconds):
+    import dataclasses
+
+    p = dask_worker.plugins["hoplite-worker"]
+    p.config = dataclasses.replace(p.config, stall_timeout=seconds)
+
+
+@pytest.mark.timeout(180)
+def test_cancelling_a_running_reduce_stops_its_tree_and_frees_its_buffers():
+    """A reduce tree is running (its root has a partial result) when one of
+    its nodes' worker is stopped (SIGSTOP) and the client cancels the result:
+    the tree stops at once. Its partial results leave every live worker and
+    the directory well within the stall timeout (60 s here: without the
+    cancel, the root would wait that long for the stopped node), the stopped
+    worker's leave once it resumes, and the cluster reduces again."""
+    import os
+    import signal
+    import time
+
+    from dask_hoplite.core.reduce_spec import is_partial_key
+
+    with process_workers(3) as (cluster, c):
+        ws = worker_addresses(c)
+        c.run(_stall_timeout, seconds=60)
+        n = 2**26  # 512 MiB of float64 per input
+        futures = [
+            c.submit(np.full, n, float(i + 1), workers=[w], pure=False) for i, w in enumerate(ws)
+        ]
+        wait(futures)
+        total = dh.reduce(futures, "sum", to=ws[0], parts=1)
+        t0 = time.monotonic()
+        while not c.run(_partials, workers=[ws[0]])[ws[0]]:
+            assert time.monotonic() - t0 < 60 and not total.done()
+            time.sleep(0.005)
+        pid = c.run(os.getpid, workers=[ws[2]])[ws[2]]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert not total.done()  # the tree is running, and waits on the stopped node
+            total.cancel()
+            deadline = time.monotonic() + 10
+            while True:
+                left = c.run(_partials, workers=ws[:2])
+                info = c.sync(c.scheduler.hoplite_info)
+                entries = [r["key"] for r in info["keys"] if is_partial_key(tuple(r["key"]))]
+                if not any(left.values()) and not entries:
+                    break
+                assert time.monotonic() < deadline, f"left: {left}, directory: {entries}"
+                time.sleep(0.1)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while any(c.run(_partials).values()):
+            assert time.monotonic() < deadline, c.run(_partials)
+            time.sleep(0.1)
+        again = dh.reduce(futures, "sum", parts=1).result()
+        assert again[0] == 6.0 and again[-1] == 6.0

@@ -217,3 +217,36 @@ def test_a_restarted_tree_is_placed_where_its_inputs_are_now():
         dataclasses.replace(spec, segment=(1, 3)), now, set(), "tcp://root:1", "r3"
     )
     assert segment.rid.startswith("r3") and segment.rid != "r3"
+
+
+@settings(max_examples=300, deadline=None)
+@given(reductions(), st.booleans())
+def test_an_allreduce_has_one_output_per_input_and_one_part_per_worker(case, hoplite):
+    """Output i is made on input i's worker; the first output on each worker
+    runs that worker's part of the plan (each part once), every other one
+    takes the value of the first on its worker, and a small allreduce's
+    outputs away from the reducing worker pull from it."""
+    from dask_hoplite.core.allreduce_outputs import output_keys, output_roles, output_workers
+
+    keys, _, who_has, _, size, _, _ = case
+    inputs = keys + keys[:2]  # an input given twice is two outputs
+    req = request(inputs, allreduce=True)
+    plan = plan_reduction(req, inputs, who_has, dict.fromkeys(keys, size), NET if hoplite else None)
+    workers = output_workers(inputs, who_has)
+    roles = output_roles(plan, workers)
+    assert len(roles) == len(output_keys(req)) == len(inputs)
+    assert workers == [sorted(who_has[k])[0] for k in inputs]
+    first = {}
+    for i, w in enumerate(workers):
+        first.setdefault(w, i)
+    parts = [tuple(roles[i]) for i in first.values() if roles[i][0] != "pull"]
+    assert len(set(parts)) == len(parts)  # each part once (many may pull one result)
+    for i, (w, role) in enumerate(zip(workers, roles, strict=True)):
+        if first[w] != i:
+            assert role == ["alias", first[w]]
+        elif isinstance(plan, OneTask):
+            assert role == (["reduce"] if w == plan.worker else ["pull", first[plan.worker]])
+        elif isinstance(plan, (Tree, AllreduceTree)):
+            assert role[0] == ("root" if w == plan.root else "copy")
+        else:
+            assert role == ["part", plan.workers.index(w)]

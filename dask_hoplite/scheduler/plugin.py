@@ -10,6 +10,7 @@ the plugin.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ from dask_hoplite.features import (
 )
 from dask_hoplite.patching import Override
 from dask_hoplite.scheduler.amm import StreamDropGuard
+from dask_hoplite.scheduler.cancellation import CollectiveCancels
 from dask_hoplite.scheduler.client import METADATA_KEY
 from dask_hoplite.scheduler.collective_log import CollectiveLog
 from dask_hoplite.scheduler.directory_service import DirectoryService
@@ -58,6 +60,13 @@ if TYPE_CHECKING:
     from distributed import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def _send_to_worker(s: Scheduler, worker: str, msg: dict[str, Any]) -> None:
+    """Send ``msg`` on the scheduler's stream to ``worker`` (if still there)."""
+    stream = s.stream_comms.get(worker)
+    if stream is not None:
+        stream.send(msg)
 
 
 def _registry(s: Scheduler, name: str) -> dict[str, Any]:
@@ -90,6 +99,7 @@ class Hoplite(SchedulerPlugin):
         self.service: DirectoryService | None = None
         self.replicator: ReplicateOverride | None = None
         self.first_ready: FirstReady | None = None
+        self.cancels: CollectiveCancels | None = None
         self.collectives: CollectiveLog | None = None
         self.series: SchedulerSource | None = None
         #: The features running on the scheduler (see :mod:`dask_hoplite.features`).
@@ -157,6 +167,8 @@ class Hoplite(SchedulerPlugin):
         self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)
         self.first_ready = first_ready = FirstReady(s.tasks.get, network)
+        if COLLECTIVES in self.features:
+            self.cancels = CollectiveCancels(functools.partial(_send_to_worker, s))
         self.replicator = ReplicateOverride(config, pins)
         collectives = self.collectives
         self.peers = peers = Peers(self.features, self._outsider, self._publish)
@@ -256,6 +268,10 @@ class Hoplite(SchedulerPlugin):
             self.service.key_transitioned(key, start, finish, kwargs.get("worker"))
         if self.first_ready is not None:
             self.first_ready.key_transitioned(key, finish)
+        if self.cancels is not None and self.scheduler is not None:
+            ts = self.scheduler.tasks.get(key) if finish == "processing" else None
+            where = ts.processing_on.address if ts is not None and ts.processing_on else None
+            self.cancels.key_transitioned(key, finish, where)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         if self.peers is not None and self.scheduler is not None:
@@ -264,5 +280,7 @@ class Hoplite(SchedulerPlugin):
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         if self.service is not None:
             self.service.worker_removed(worker)
+        if self.cancels is not None:
+            self.cancels.worker_removed(worker)
         if self.peers is not None and self.scheduler is not None:
             self.peers.left(worker)

@@ -15,6 +15,8 @@
 * :mod:`~dask_hoplite.worker.reduce_root`: a tree's root (one object per running tree);
 * :mod:`~dask_hoplite.worker.tree_spreader`: the root's side of spreading a dead node;
 * :mod:`~dask_hoplite.worker.planned_reduce`: ``reduce``'s planning task and result task;
+* :mod:`~dask_hoplite.worker.running_tasks`: the collectives' coroutine tasks by key, stopped
+  when the scheduler part says their key was cancelled;
 * :mod:`~dask_hoplite.worker.planned_outputs`: ``allreduce``'s and ``allgather``'s
   planning task (places one output per input on its worker) and output tasks;
 * :mod:`~dask_hoplite.worker.allreduce` / :mod:`~dask_hoplite.worker.small_allreduce`;

@@ -46,6 +46,10 @@ from dask_hoplite.scheduler.client import METADATA_KEY
 from dask_hoplite.worker.context import PLUGIN_NAME
 from dask_hoplite.worker.receiver import get_data_or_reschedule
 
+#: The field of a reduction's plan message naming its result task (whose key,
+#: once cancelled, stops the reduction: :mod:`.running_tasks`).
+TASK_FIELD = "task"
+
 
 def running_part(w: Worker) -> Any:
     """The running worker part (:class:`~dask_hoplite.worker.plugin.WorkerParts`)
@@ -68,7 +72,7 @@ async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
     plan = plan_reduction(this_run(req), ready.chosen, ready.who_has, ready.nbytes, ready.net)
     if req.result is not None:
         await w.scheduler.set_restrictions(worker={req.result: [plan.root]})
-    return plan.to_msg()
+    return {**plan.to_msg(), TASK_FIELD: req.result}
 
 
 def this_run(req: PlanRequest) -> PlanRequest:

@@ -33,6 +33,7 @@ from dask_hoplite.core.protocol import STREAM_OP
 from dask_hoplite.core.store import BlockStore, BufferPool
 from dask_hoplite.errors import NotRegistered, VersionMismatch
 from dask_hoplite.features import (
+    COLLECTIVES,
     DASHBOARD,
     FETCH,
     GRAPH_REDUCTIONS,
@@ -53,6 +54,7 @@ from dask_hoplite.worker.receiver import DaskFetchPaths, Receiver
 from dask_hoplite.worker.reduce_node import ReduceNodes
 from dask_hoplite.worker.reduce_root import ReduceRoots
 from dask_hoplite.worker.reductions import RunningReductions
+from dask_hoplite.worker.running_tasks import CANCEL_OP, RunningTasks
 from dask_hoplite.worker.sender import Sender
 from dask_hoplite.worker.small_allreduce import SmallAllreduce
 
@@ -77,6 +79,7 @@ class WorkerParts:
     small_allreduce: SmallAllreduce
     aggregates: AggregateTakeover
     prefaulter: Prefaulter | None
+    running_tasks: RunningTasks = dataclasses.field(default_factory=RunningTasks)
 
     @classmethod
     def build(
@@ -199,6 +202,10 @@ class HopliteWorker(WorkerPlugin):
         parts = self._parts = WorkerParts.build(worker, HopliteConfig.from_dask_config(), features)
         # Each override of a Dask internal is one patch, undone on its own.
         self._patches = [*(ItemPatch(worker.handlers, n, h) for n, h in self._handlers().items())]
+        if COLLECTIVES in features:
+            self._patches.append(
+                ItemPatch(worker.stream_handlers, CANCEL_OP, parts.running_tasks.cancel)
+            )
         if FETCH in features:
             self._patches.append(AttributePatch(worker, "gather_dep", parts.fetch_paths.gather_dep))
         if REPLICATE in features:
@@ -248,6 +255,7 @@ class HopliteWorker(WorkerPlugin):
         for patch in reversed(self._patches):
             patch.undo()
         self._patches = []
+        p.running_tasks.close()
         p.reductions.close()
         p.partial_copies.close()
         trim = worker.periodic_callbacks.pop(_TRIM_CALLBACK, None)

@@ -9,15 +9,20 @@ a split broadcast's announcement and copies.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
+from dask.typing import Key
 from distributed import get_worker
+from distributed.worker import Worker
 
 from dask_hoplite.core import object_parts
 from dask_hoplite.core.reduce_plan import PlanRequest
 from dask_hoplite.scheduler.client import METADATA_KEY
 from dask_hoplite.worker import planned_outputs, planned_reduce
 from dask_hoplite.worker.context import secede_coroutine
+
+T = TypeVar("T")
 
 
 async def plan_reduce(req: PlanRequest) -> dict[str, Any]:
@@ -27,24 +32,28 @@ async def plan_reduce(req: PlanRequest) -> dict[str, Any]:
     the slot, e.g. with one thread per worker)."""
     w = get_worker()
     secede_coroutine(w, req.plan_key)
-    return await planned_reduce.choose_and_plan(w, req)
+    return await _as_task(w, req.plan_key, planned_reduce.choose_and_plan(w, req))
 
 
 async def plan_allreduce(req: PlanRequest) -> dict[str, Any]:
     """The planning task of an allreduce: waits on the cluster for every
     input, plans, and places each output on its input's worker."""
-    return await planned_outputs.plan_allreduce(get_worker(), req)
+    w = get_worker()
+    return await _as_task(w, req.plan_key, planned_outputs.plan_allreduce(w, req))
 
 
 async def allreduce_output(planned: dict[str, Any], i: int) -> Any:
     """Output ``i`` of an allreduce (runs on input ``i``'s worker)."""
-    return await planned_outputs.run_allreduce_output(get_worker(), planned, i)
+    w = get_worker()
+    key = planned["outputs"][i]
+    return await _as_task(w, key, planned_outputs.run_allreduce_output(w, planned, i))
 
 
 async def place_allgather(req: PlanRequest) -> list[str]:
     """The planning task of an allgather: places each output on its input's
     worker once every input is ready."""
-    return await planned_outputs.place_allgather(get_worker(), req)
+    w = get_worker()
+    return await _as_task(w, req.plan_key, planned_outputs.place_allgather(w, req))
 
 
 def gathered(_placed: Any, *values: Any) -> list[Any]:
@@ -69,4 +78,14 @@ def join_split_parts(_announced: None, meta: Any, *parts: Any) -> Any:
 
 async def run_reduce(plan: dict[str, Any]) -> Any:
     """The result task of a reduction: runs ``plan`` on the root's worker."""
-    return await planned_reduce.run_plan(get_worker(), plan)
+    w = get_worker()
+    return await _as_task(w, plan.get(planned_reduce.TASK_FIELD), planned_reduce.run_plan(w, plan))
+
+
+async def _as_task(w: Worker, key: Key | None, coro: Coroutine[Any, Any, T]) -> T:
+    """``coro``'s result, run as collective task ``key``: where dask-hoplite
+    runs, cancelling the key stops it (:mod:`.running_tasks`)."""
+    part = planned_reduce.running_part(w)
+    if part is None:
+        return await coro
+    return await part.running_tasks.run(key, coro)
