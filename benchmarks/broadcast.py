@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
-from benchmarks import mpi_peers  # noqa: E402
+from benchmarks import mpi_peers, timeline  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 
 #: "hoplite": tasks on every receiver that share the dependency (the
@@ -90,12 +92,23 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: float) -> Result:
+def measure(
+    ec: EmulatedCluster,
+    method: str,
+    size: int,
+    reps: int,
+    timeout: float,
+    timelines: bool = False,
+) -> Result:
     from distributed import Client, wait
 
     import dask_hoplite
 
     env = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    if timelines:
+        env["DASK_HOPLITE__TIMELINES"] = "True"
+    recorded: list[tuple[float, dict[str, Any]]] = []  # (wall start, timelines) per rep
+    tcp: list[dict[str, dict[str, int]]] = []  # TCP counters per host, per rep
     ec.start_dask(env=env)
     bound = size / ec.rate_bytes_per_s
     times: list[float] = []
@@ -119,7 +132,9 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
             expected = client.submit(fingerprint, x, workers=[src], pure=False).result()
             tx0, _ = ec.nic_bytes(src_role)
             rx0 = [ec.nic_bytes(r)[1] for r in roles]
+            tcp0 = {r: ec.tcp_counters(r) for r in roles} if timelines else {}
             c0 = cpu_seconds(pids)
+            wall0 = time.time()
             t0 = time.perf_counter()
             if method.endswith("replicate"):
                 try:
@@ -171,6 +186,15 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
             if any(tuple(r) != tuple(expected) for r in results):
                 ok, note = False, "WRONG RESULT"
             times.append(dt)
+            if timelines and method.startswith("hoplite"):
+                recorded.append((wall0, timeline.collect(client, x.key)))
+            if timelines:
+                tcp.append(
+                    {
+                        r: {k: v - tcp0[r].get(k, 0) for k, v in ec.tcp_counters(r).items()}
+                        for r in roles
+                    }
+                )
             tx.append(tx1 - tx0)
             cpu.append((c1 - c0) / dt / (os.cpu_count() or 1) * 100)
             del x, got
@@ -178,6 +202,10 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
     ec.stop_dask()
     warm = times[1:] or times
     seconds = statistics.median(warm) if warm else float("inf")
+    if recorded:
+        _print_timelines(method, times, recorded, workers, ec.rate_bytes_per_s)
+    if tcp:
+        _print_tcp(method, times, tcp, bound)
     return Result(
         method,
         ec.n_workers,
@@ -193,6 +221,47 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: flo
         ec.workers_per_host,
         host_rx,
     )
+
+
+def _print_timelines(
+    method: str,
+    times: list[float],
+    recorded: list[tuple[float, dict[str, Any]]],
+    workers: list[str],
+    rate: float,
+) -> None:
+    """Each receiver's timeline of the slowest warm repetition, of the median
+    one, and of the cold one (``benchmarks/timeline.py``)."""
+    names = {w: f"w{i}" for i, w in enumerate(workers)}
+    warm = sorted(range(1, len(times)), key=lambda i: times[i])
+    picks = {"cold": 0}
+    if warm:
+        picks["median warm"] = warm[len(warm) // 2]
+        picks["slowest warm"] = warm[-1]
+    for label, i in picks.items():
+        wall0, tl = recorded[i]
+        print(f"\n# {method}, rep {i} ({label}): {times[i]:.3f} s")
+        print(timeline.render(tl, wall0, rate, names=names))
+
+
+#: The TCP counters that tell a lost segment and how it was recovered.
+TCP_COUNTERS = ("RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPSpuriousRTOs")
+
+
+def _print_tcp(
+    method: str, times: list[float], tcp: list[dict[str, dict[str, int]]], bound: float
+) -> None:
+    """Per repetition: its time, and each host's TCP retransmissions and
+    retransmission timeouts (RTO: at least 200 ms without bytes on Linux)."""
+    print(f"\n# {method}: TCP counters per repetition (hosts with any)")
+    for i, (t, hosts) in enumerate(zip(times, tcp, strict=False)):
+        seen = {
+            r: "/".join(str(c.get(k, 0)) for k in TCP_COUNTERS)
+            for r, c in hosts.items()
+            if any(c.get(k, 0) for k in TCP_COUNTERS)
+        }
+        shown = " ".join(f"{r}:{v}" for r, v in seen.items()) or "none"
+        print(f"rep {i:>2} {t / bound:5.2f} x S/B  {'/'.join(TCP_COUNTERS)}: {shown}")
 
 
 def measure_mpi(ec: EmulatedCluster, method: str, size: int, reps: int, timeout: float) -> Result:
@@ -213,23 +282,40 @@ def measure_mpi(ec: EmulatedCluster, method: str, size: int, reps: int, timeout:
     )
 
 
+def quantile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` as the issue tracker counts it: the
+    ceil(q * n)-th smallest (p90 of 10 is the 9th), inf when empty."""
+    if not xs:
+        return float("inf")
+    s = sorted(xs)
+    return s[max(0, math.ceil(q * len(s)) - 1)]
+
+
 def print_table(
     results: list[Result], nic_label: str = "src egress", baseline: str = "dask"
 ) -> None:
+    """One row per result: the cold first repetition, then the p50, p90 and
+    max of the warm ones, each as a ratio to S/B; the p50 against the
+    baseline's p50 in the same run."""
     base = {(r.size): r.seconds for r in results if r.op == baseline}
     w = max([18, *(len(r.op) for r in results)])
     hdr = (
-        f"{'op':<{w}} {'N':>3} {'S':>9} {'rate':>9} {'cold s':>7} {'seconds':>8} {'x S/B':>7} "
-        f"{'x ' + baseline:>7} {nic_label:>11} {'x S':>5} {'CPU%':>5}  note"
+        f"{'op':<{w}} {'N':>3} {'S':>9} {'rate':>9} {'S/B s':>6} {'reps':>4} "
+        f"{'cold':>5} {'p50':>5} {'p90':>5} {'max':>5} {'x ' + baseline:>7} "
+        f"{nic_label:>11} {'x S':>5} {'CPU%':>5}  note"
     )
     print(hdr)
+    print(f"{'':<{w}} {'':>3} {'':>9} {'':>9} {'':>6} {'warm':>4} (each x S/B)")
     print("-" * len(hdr))
     for r in results:
+        b = r.bound_seconds
+        warm = r.all_seconds[1:]
         vs = r.seconds / base[r.size] if r.size in base else float("nan")
         print(
             f"{r.op:<{w}} {r.n_workers:>3} {format_bytes(r.size):>9} "
-            f"{r.rate_mbit:>6.0f}Mb/s {r.all_seconds[0]:>7.3f} {r.seconds:>8.3f} "
-            f"{r.ratio_bound:>7.2f} {vs:>7.2f} "
+            f"{r.rate_mbit:>6.0f}Mb/s {b:>6.3f} {len(warm):>4} "
+            f"{r.all_seconds[0] / b:>5.2f} {quantile(warm, 0.5) / b:>5.2f} "
+            f"{quantile(warm, 0.9) / b:>5.2f} {quantile(warm, 1.0) / b:>5.2f} {vs:>7.2f} "
             f"{format_bytes(r.source_tx_bytes):>11} {r.source_tx_bytes / r.size:>5.2f} "
             f"{r.cpu_percent:>5.0f}  {r.note}{'' if r.ok else ' FAILED'}"
         )
@@ -289,12 +375,18 @@ def main(argv: list[str] | None = None) -> int:
         choices=METHODS + MPI_METHODS,
         help="default: all (the MPI ones only when mpi4py and mpirun are installed)",
     )
-    p.add_argument("--reps", type=int, default=3, help="warm reps after one cold rep")
+    p.add_argument("--reps", type=int, default=10, help="warm reps after one cold rep")
     p.add_argument(
         "--timeout-bounds",
         type=float,
         default=15.0,
         help="give up on a replicate after this many times S/B (at least 20 s)",
+    )
+    p.add_argument(
+        "--timelines",
+        action="store_true",
+        help="record hoplite.timelines in the workers and print each receiver's timeline "
+        "of the cold, the median and the slowest warm repetition",
     )
     p.add_argument("--out", default="benchmarks/results/broadcast")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved run and exit")
@@ -314,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                 if method in MPI_METHODS:
                     r = measure_mpi(ec, method, size, args.reps, timeout)
                 else:
-                    r = measure(ec, method, size, args.reps, timeout)
+                    r = measure(ec, method, size, args.reps, timeout, args.timelines)
                 print(f"# {method} {format_bytes(size)}: {r.all_seconds}", flush=True)
                 results.append(r)
     print()

@@ -357,6 +357,20 @@ class EmulatedCluster:
         stats = json.loads(r.stdout)[0]["stats64"]
         return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
+    def tcp_counters(self, role: str) -> dict[str, int]:
+        """A host's TCP counters (``/proc/net/snmp`` and ``/proc/net/netstat``
+        in its namespace: ``RetransSegs``, ``TCPTimeouts``, ``TCPLossProbes``...)."""
+        ns = self.hosts[role].netns
+        out: dict[str, int] = {}
+        for path in ("/proc/net/snmp", "/proc/net/netstat"):
+            lines = _run("ip", "netns", "exec", ns, "cat", path).stdout.splitlines()
+            for names, values in zip(lines[::2], lines[1::2], strict=False):
+                kind, _, names = names.partition(":")
+                if kind in ("Tcp", "TcpExt"):
+                    counts = map(int, values.partition(":")[2].split())
+                    out.update(zip(names.split(), counts, strict=True))
+        return out
+
     # ------------------------------------------------------------ teardown
 
     @staticmethod

@@ -103,6 +103,8 @@ class HopliteConfig:
     buffer_pool_bytes: int
     buffer_pool_idle: float
     prefault: bool
+    timelines: bool
+    timeline_interval: float
     buffer_pool_reserve: int
     buffer_pool_reserve_regions: int
     reduce_bandwidth: float | None  # bytes per second; None: measured
@@ -166,6 +168,8 @@ class HopliteConfig:
             buffer_pool_bytes=_bytes("buffer-pool-bytes"),
             buffer_pool_idle=_seconds("buffer-pool-idle"),
             prefault=bool(_get("prefault")),
+            timelines=bool(_get("timelines")),
+            timeline_interval=_seconds("timeline-interval"),
             buffer_pool_reserve=_bytes("buffer-pool-reserve"),
             buffer_pool_reserve_regions=_count("buffer-pool-reserve-regions"),
             reduce_bandwidth=None

@@ -9,6 +9,7 @@
 * :mod:`~dask_hoplite.worker.prefault`: receive memory faulted in off the critical path;
 * :mod:`~dask_hoplite.worker.accounting`: hoplite's transfers in Dask's own bookkeeping;
 * :mod:`~dask_hoplite.worker.progress`: incoming streams' progress, in the heartbeat;
+* :mod:`~dask_hoplite.worker.timelines`: per-key timelines of fetches (``hoplite.timelines``);
 * :mod:`~dask_hoplite.worker.metrics`: the worker's Prometheus series;
 * :mod:`~dask_hoplite.worker.reductions`: the reduce trees this worker takes part in;
 * :mod:`~dask_hoplite.worker.reduce_node` / :mod:`~dask_hoplite.worker.combine`: a node of a tree;

@@ -34,6 +34,7 @@ from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.store import BlockStore, ObjectBuffer
 from dask_hoplite.errors import CollectiveAborted, ReduceInputError
 from dask_hoplite.features import ACCOUNTING, FEATURES
+from dask_hoplite.worker.timelines import Timelines
 
 if TYPE_CHECKING:
     from distributed.worker_state_machine import SecedeEvent
@@ -92,6 +93,8 @@ class WorkerContext:
     closed: bool = False
     #: The features running on this worker (:mod:`dask_hoplite.features`).
     features: frozenset[str] = frozenset(FEATURES)
+    #: Per-key timelines of fetches (``hoplite.timelines``; None: off).
+    timelines: Timelines | None = None
 
     @property
     def accounting(self) -> bool:

@@ -57,6 +57,7 @@ from dask_hoplite.worker.reductions import RunningReductions
 from dask_hoplite.worker.running_tasks import CANCEL_OP, RunningTasks
 from dask_hoplite.worker.sender import Sender
 from dask_hoplite.worker.small_allreduce import SmallAllreduce
+from dask_hoplite.worker.timelines import Timelines
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class WorkerParts:
         ctx = WorkerContext(worker, BlockStore(pool), config)
         if features is not None:
             ctx.features = features.on
+        if config.timelines:
+            ctx.timelines = Timelines(interval=config.timeline_interval)
         receiver = Receiver(ctx)
         reductions = RunningReductions(ctx)
         nodes = ReduceNodes(ctx, reductions)

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
@@ -42,6 +42,7 @@ from dask_hoplite.errors import LayoutChanged, SenderBusy, TransferFailed
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import WorkerContext
 from dask_hoplite.worker.streams import pooled_comm, raw_stream, receive_stream
+from dask_hoplite.worker.timelines import Timelines
 
 if TYPE_CHECKING:
     from distributed.worker import WORKER_ANY_RUNNING, get_data_from_worker
@@ -258,6 +259,9 @@ class Receiver:
         for its byte range ``part`` (``[j, k]``)."""
         w = self.ctx.worker
         t0 = time.monotonic()
+        timelines = self.ctx.timelines
+        if timelines is not None:
+            timelines.record(key, "asked", part=part, exclude=list(excluded))
         try:
             reply: dict[str, Any] = await w.scheduler.hoplite_request(
                 key=key, receiver=w.address, protocol=PROTOCOL_VERSION, exclude=excluded, part=part
@@ -265,6 +269,10 @@ class Receiver:
         except Exception as e:
             logger.warning("hoplite directory unreachable for %r (%s); using Dask's path", key, e)
             return None
+        if timelines is not None:
+            timelines.record(
+                key, "answered", part=part, status=reply.get("status"), sender=reply.get("sender")
+            )
         logger.debug(
             "%r: directory answered %s after %.3fs (progress %d)",
             key,
@@ -306,6 +314,7 @@ class Receiver:
             with (
                 ctx.receiving(key, sender, buf, "object"),
                 context_meter.meter("network", func=dask_time),
+                _sampled(ctx.timelines, key, buf, sender, part),
             ):
                 async with pooled_comm(w.rpc, sender, stall) as comm:
                     offset = 0
@@ -375,6 +384,29 @@ class Receiver:
                 self.drop_untracked(key)
             out[key] = value if ok else await get_data_or_reschedule(w, key, who_has[key])
         return [out[k] for k in keys]
+
+
+@contextlib.contextmanager
+def _sampled(
+    timelines: Timelines | None,
+    key: Key,
+    buf: ObjectBuffer,
+    sender: str,
+    part: tuple[int, int] | None,
+) -> Iterator[None]:
+    """With timelines on: one stream of ``key`` from ``sender`` in ``key``'s
+    timeline, its start, its end, and the bytes in hand meanwhile."""
+    if timelines is None:
+        yield
+        return
+    timelines.record(key, "stream", sender=sender, part=part, at=buf.progress)
+    ok = False
+    try:
+        with timelines.sampling(key, lambda: buf.progress):
+            yield
+        ok = True
+    finally:
+        timelines.record(key, "streamed", sender=sender, part=part, ok=ok, at=buf.progress)
 
 
 async def get_data_or_reschedule(w: Worker, key: Key, holders: Iterable[str]) -> Any:
