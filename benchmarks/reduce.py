@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=METHODS + MPI_METHODS,
         help="default: all (the MPI ones only when mpi4py and mpirun are installed)",
     )
-    p.add_argument("--reps", type=int, default=3, help="warm reps after one cold rep")
+    p.add_argument("--reps", type=int, default=10, help="warm reps after one cold rep")
     p.add_argument("--out", default="benchmarks/results/reduce")
     args = p.parse_args(argv)
     methods = mpi_peers.select_methods(args.methods, METHODS, MPI_METHODS)

@@ -9,7 +9,9 @@ every worker records each large key it fetches. After a broadcast of ``key``::
 prints one row per receiver: when it asked the directory (seconds after
 ``t0``), the sender it got (each one, if it resumed elsewhere or fetched byte
 ranges), when its first and its last byte arrived, its mean throughput as a
-fraction of the per-host bandwidth ``rate`` (bytes/s), and its throughput over
+fraction of the per-host bandwidth ``rate`` (bytes/s), whether its receiving
+memory was freshly mapped (``fresh``: the kernel zeroes it as it is first
+written) or recycled by the buffer pool, and its throughput over
 time, one character per ``step`` seconds from ``t0`` (`` ▁▂▃▄▅▆▇█``: 0 to
 ``rate``, ``!`` above it). ``benchmarks/broadcast.py --timelines`` prints the
 timelines of its slowest and its median warm repetition.
@@ -48,6 +50,8 @@ class Row:
     nbytes: int
     #: (time, bytes in hand), as sampled.
     samples: list[tuple[float, int]]
+    #: Whether the receiving memory was freshly mapped (not recycled) during the fetch.
+    fresh: bool = False
 
     def throughput(self, rate: float) -> float:
         span = self.last_byte - self.first_byte
@@ -67,7 +71,9 @@ def rows(timelines: dict[str, list[Event]], t0: float) -> list[Row]:
         first = next((t for t, n in samples if n > start), samples[-1][0])
         end = max(n for _, n in samples)
         last = next(t for t, n in samples if n == end)
-        out.append(Row(w, min(asked) - t0, senders, first, last, end - start, samples))
+        mapped = [int(d.get("mapped", 0)) for _, e, d in events if e in ("stream", "streamed")]
+        fresh = bool(mapped) and max(mapped) > min(mapped)
+        out.append(Row(w, min(asked) - t0, senders, first, last, end - start, samples, fresh))
     return sorted(out, key=lambda r: r.first_byte)
 
 
@@ -109,13 +115,16 @@ def render(
     name = (names or {}).get
     end = max(r.last_byte for r in rs)
     width = max(1, math.ceil(end / step))
-    head = f"{'receiver':<10} {'asked':>6} {'first':>6} {'last':>6} {'x B':>5}  sender(s)"
+    head = (
+        f"{'receiver':<10} {'asked':>6} {'first':>6} {'last':>6} {'x B':>5} {'mem':>5}  sender(s)"
+    )
     lines = [head + f"  | throughput per {step:g}s, 0 to B", "-" * (len(head) + 30)]
     for r in rs:
         senders = ",".join(name(s) or s for s in r.senders)
         lines.append(
             f"{name(r.worker) or r.worker:<10} {r.asked:6.2f} {r.first_byte:6.2f} "
-            f"{r.last_byte:6.2f} {r.throughput(rate):5.2f}  {senders:<12}"
+            f"{r.last_byte:6.2f} {r.throughput(rate):5.2f} {'fresh' if r.fresh else 'reuse':>5}"
+            f"  {senders:<12}"
             f"  |{_spark(r.samples, rate, step, width)}|"
         )
     return "\n".join(lines)

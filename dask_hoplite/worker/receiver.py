@@ -399,14 +399,21 @@ def _sampled(
     if timelines is None:
         yield
         return
-    timelines.record(key, "stream", sender=sender, part=part, at=buf.progress)
+    pool = buf.pool
+
+    def mapped() -> int:  # regions the pool mapped fresh so far (0: no pool)
+        return int(getattr(pool, "allocated", 0))
+
+    timelines.record(key, "stream", sender=sender, part=part, at=buf.progress, mapped=mapped())
     ok = False
     try:
         with timelines.sampling(key, lambda: buf.progress):
             yield
         ok = True
     finally:
-        timelines.record(key, "streamed", sender=sender, part=part, ok=ok, at=buf.progress)
+        timelines.record(
+            key, "streamed", sender=sender, part=part, ok=ok, at=buf.progress, mapped=mapped()
+        )
 
 
 async def get_data_or_reschedule(w: Worker, key: Key, holders: Iterable[str]) -> Any:
