@@ -63,11 +63,13 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         "Broadcast",
         "transparent broadcast, 256 MiB",
-        "planner-2026-12-03/after-broadcast.json",
+        "tails-2026-12-03/bcast-n8-1.json",
         "hoplite",
         "dask",
-        BROADCAST_CMD + " --methods dask hoplite --reps 10",
-        "one consumer task pinned to each of 7 other hosts; defaults; 2026-12-03",
+        BROADCAST_CMD.replace("--workers 8", "--workers 9")
+        + " --methods dask hoplite --reps 10 --timelines",
+        "one consumer task pinned to each of 8 other hosts; defaults; the first of three fresh "
+        "clusters (cold 3.11, 2.52, 2.34; p90 1.22, 1.17, 1.17); 2026-12-03",
     ),
     Figure(
         "Broadcast",
@@ -91,11 +93,12 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         "Reduce",
         "dh.reduce (sum), 256 MiB",
-        "planner-2026-12-03/after-reduce.json",
+        "tails-2026-12-03/reduce-n8-1.json",
         "hoplite",
         "dask-task",
-        REDUCE_CMD + " --methods dask-task hoplite --reps 10",
-        "one input per host; Dask: one task on one worker; defaults; 2026-12-03",
+        REDUCE_CMD + " --methods hoplite dask-task --reps 10",
+        "one input per host; Dask: one task on one worker; defaults; the first of three fresh "
+        "clusters (cold 2.56, 2.76, 2.78; p90 1.24, 1.25, 1.26); 2026-12-03",
     ),
     Figure(
         "Reduce",
