@@ -72,3 +72,29 @@ def test_a_cancelled_task_fails_as_aborted_and_others_run_on():
         assert tasks._running == {}
 
     asyncio.run(main())
+
+
+def test_a_fetch_cancelled_before_its_first_byte_leaves_no_buffer():
+    """A collective task cancelled while it fetches an input for itself (not
+    a Dask dependency: no transition of Dask's would ever release it) leaves
+    no buffer behind."""
+    import numpy as np
+    from conftest import three_workers
+
+    async def cancel_a_fetch(key, holders, dask_worker):
+        receiver = dask_worker.plugins["hoplite-worker"].parts.receiver
+        task = asyncio.ensure_future(receiver.fetch_parts([key], {key: holders}))
+        for _ in range(3):  # to its first wait: the buffer is announced
+            await asyncio.sleep(0)
+        announced = key in dask_worker.plugins["hoplite-worker"].store
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return announced, key in dask_worker.plugins["hoplite-worker"].store
+
+    with three_workers() as c:
+        ws = sorted(c.scheduler_info(n_workers=-1)["workers"])
+        x = c.submit(np.arange, 2**22, workers=[ws[0]], pure=False)  # 32 MiB
+        x.result()
+        got = c.run(cancel_a_fetch, x.key, [ws[0]], workers=[ws[1]])[ws[1]]
+        assert got == (True, False)

@@ -106,6 +106,13 @@ class Receiver:
         self.fetching[key] = done
         try:
             return await self._fetch(key)
+        except asyncio.CancelledError:
+            # The task fetching it was cancelled (e.g. a collective whose key
+            # was cancelled): no receiver waits for an empty buffer.
+            buf = self.ctx.store.get(key)
+            if buf is not None and buf.state is not BufferState.COMPLETE:
+                self._give_up(key, buf)
+            raise
         finally:
             del self.fetching[key]
             done.set_result(None)
@@ -378,10 +385,12 @@ class Receiver:
         for key in keys:
             if key in out:
                 continue
-            ok, value = await self.fetch(key)
-            self.senders.pop(key, None)
-            if key not in w.state.tasks and key in self.ctx.store:
-                self.drop_untracked(key)
+            try:
+                ok, value = await self.fetch(key)
+            finally:  # returned, failed or cancelled: an untracked copy goes
+                self.senders.pop(key, None)
+                if key not in w.state.tasks and key in self.ctx.store:
+                    self.drop_untracked(key)
             out[key] = value if ok else await get_data_or_reschedule(w, key, who_has[key])
         return [out[k] for k in keys]
 
