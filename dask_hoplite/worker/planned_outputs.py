@@ -40,9 +40,7 @@ from dask_hoplite.worker.planned_reduce import (
     this_run,
 )
 from dask_hoplite.worker.receiver import get_data_or_reschedule
-
-#: Scheduler states of a task that will still deliver a result.
-_COMING = ("waiting", "queued", "no-worker", "processing", "memory")
+from dask_hoplite.worker.small_allreduce import COMING
 
 
 async def plan_allreduce(w: Worker, req: PlanRequest) -> dict[str, Any]:
@@ -51,18 +49,24 @@ async def plan_allreduce(w: Worker, req: PlanRequest) -> dict[str, Any]:
     secede_coroutine(w, req.plan_key)
     ready = await first_ready(w, req)
     plan = plan_reduction(this_run(req), ready.chosen, ready.who_has, ready.nbytes, ready.net)
-    workers = output_workers(req.inputs, ready.who_has)
-    outputs = output_keys(req)
-    await w.scheduler.set_restrictions(
-        worker={key: [a] for key, a in zip(outputs, workers, strict=True)}
-    )
+    workers = await _place_outputs(w, req, ready.who_has)
     return {
         "plan": plan.to_msg(),
         "roles": output_roles(plan, workers),
-        "outputs": outputs,
+        "outputs": output_keys(req),
         "workers": workers,
         "chosen": list(plan.chosen),
     }
+
+
+async def _place_outputs(w: Worker, req: PlanRequest, who_has: dict[Key, list[str]]) -> list[str]:
+    """Restrict output ``i`` of ``req`` to the worker of input ``i`` (loosely,
+    as submitted); those workers."""
+    workers = output_workers(req.inputs, who_has)
+    await w.scheduler.set_restrictions(
+        worker={key: [a] for key, a in zip(output_keys(req), workers, strict=True)}
+    )
+    return workers
 
 
 async def run_allreduce_output(w: Worker, planned: dict[str, Any], i: int) -> Any:
@@ -120,7 +124,7 @@ async def _pull_without_plugin(
             holders = (await w.scheduler.who_has(keys=[key])).get(key) or ()
             if holders:
                 return await get_data_or_reschedule(w, key, holders)
-        elif state not in _COMING:
+        elif state not in COMING:
             return reduce_values(op, inputs, await fetch_values(w, None, inputs))
         await asyncio.sleep(poll)
     return w.data[key]
@@ -132,9 +136,4 @@ async def place_allgather(w: Worker, req: PlanRequest) -> list[str]:
     workers."""
     secede_coroutine(w, req.plan_key)
     ready = await first_ready(w, req)
-    workers = output_workers(req.inputs, ready.who_has)
-    outputs = output_keys(req)
-    await w.scheduler.set_restrictions(
-        worker={key: [a] for key, a in zip(outputs, workers, strict=True)}
-    )
-    return workers
+    return await _place_outputs(w, req, ready.who_has)

@@ -25,7 +25,7 @@ from dask_hoplite.worker.context import FetchParts, WorkerContext, secede_corout
 logger = logging.getLogger(__name__)
 
 #: Scheduler states of a task that will still deliver a result.
-_COMING = ("waiting", "queued", "no-worker", "processing", "memory")
+COMING = ("waiting", "queued", "no-worker", "processing", "memory")
 
 
 class SmallAllreduce:
@@ -100,7 +100,7 @@ class SmallAllreduce:
                     seceded = self._secede(me, seceded)
                     continue
             where = await w.scheduler.hoplite_task_worker(key=key)
-            if where["state"] not in _COMING:
+            if where["state"] not in COMING:
                 break  # erred, released or forgotten: the root will not deliver
             if where["worker"] is None or where["worker"] == holder:
                 # not assigned yet, or its worker has not heard of it yet
