@@ -81,6 +81,8 @@ def test_a_fetch_cancelled_before_its_first_byte_leaves_no_buffer():
     import numpy as np
     from conftest import three_workers
 
+    from dask_hoplite.compat import worker_addresses
+
     async def cancel_a_fetch(key, holders, dask_worker):
         receiver = dask_worker.plugins["hoplite-worker"].parts.receiver
         task = asyncio.ensure_future(receiver.fetch_parts([key], {key: holders}))
@@ -93,7 +95,7 @@ def test_a_fetch_cancelled_before_its_first_byte_leaves_no_buffer():
         return announced, key in dask_worker.plugins["hoplite-worker"].store
 
     with three_workers() as c:
-        ws = sorted(c.scheduler_info(n_workers=-1)["workers"])
+        ws = worker_addresses(c)
         x = c.submit(np.arange, 2**22, workers=[ws[0]], pure=False)  # 32 MiB
         x.result()
         got = c.run(cancel_a_fetch, x.key, [ws[0]], workers=[ws[1]])[ws[1]]

@@ -10,13 +10,15 @@ import dask
 import numpy as np
 from conftest import three_workers
 
+from dask_hoplite.compat import worker_addresses
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import timeline  # noqa: E402
 
 
 def test_a_broadcast_leaves_one_timeline_per_receiver():
     with dask.config.set({"hoplite.timelines": True}), three_workers() as c:
-        ws = sorted(c.scheduler_info(n_workers=-1)["workers"])
+        ws = worker_addresses(c)
         x = c.submit(np.arange, 2**22, workers=[ws[0]], pure=False)  # 32 MiB
         copies = [
             c.submit(lambda a: a.sum(), x, workers=[w], pure=False, allow_other_workers=False)
@@ -34,7 +36,7 @@ def test_a_broadcast_leaves_one_timeline_per_receiver():
         assert [r.nbytes for r in rows] == [2**25, 2**25]
         assert all(r.senders and r.first_byte <= r.last_byte for r in rows)
     with three_workers() as c:  # off (the default): nothing is recorded
-        ws = sorted(c.scheduler_info(n_workers=-1)["workers"])
+        ws = worker_addresses(c)
         x = c.submit(np.arange, 2**22, workers=[ws[0]], pure=False)
         c.submit(len, x, workers=[ws[1]], allow_other_workers=False).result()
         assert timeline.collect(c, x.key) == {}
