@@ -12,6 +12,9 @@ Methods (each on a fresh Dask cluster over the same emulated network):
 * ``dask-bag`` / ``hoplite-bag``: ``b.fold(np.add).compute()`` on a bag with one
   partition per input (Dask's ``split_every`` tree of aggregate tasks; with the
   plugin registered, unchanged user code);
+* ``hoplite-model``: ``dask_hoplite.reduce`` of models: each input a dict of 12 arrays
+  (leaves of 1/4 down to 1/64 of S, S in all, as a small network's layers), reduced
+  leaf by leaf as one tree (compare with ``hoplite`` on one array of S);
 * ``dask-allreduce`` / ``hoplite-allreduce``: the sum on every worker (Dask: the
   one-task sum, then one consumer task pinned to each worker; hoplite:
   ``dask_hoplite.allreduce``), bound 2(N-1)/N * S/B;
@@ -57,6 +60,7 @@ METHODS = (
     "dask-tree",
     "dask-array",
     "hoplite",
+    "hoplite-model",
     "hoplite-array",
     "dask-bag",
     "hoplite-bag",
@@ -88,6 +92,24 @@ def check_list(xs: list[np.ndarray]) -> tuple[int, float, float]:
 
 def make_input(nbytes: int, i: int) -> np.ndarray:
     return np.full(nbytes // 8, float(i + 1))
+
+
+#: The leaves of a ``hoplite-model`` input, in 128ths of S: 1 MiB to 32 MiB of 128 MiB.
+MODEL_LEAVES = (32, 24, 16, 12, 10, 8, 8, 6, 4, 4, 2, 2)
+
+
+def make_model(nbytes: int, i: int) -> dict[str, np.ndarray]:
+    """A model of ``nbytes``: 12 layers of float64, all ``i + 1``."""
+    elems = nbytes // 8
+    sizes = [elems * part // 128 for part in MODEL_LEAVES]
+    sizes[0] += elems - sum(sizes)
+    return {f"layer{j:02d}": np.full(n, float(i + 1)) for j, n in enumerate(sizes)}
+
+
+def check_model(m: dict[str, np.ndarray]) -> tuple[int, float, float]:
+    leaves = list(m.values())
+    assert all(float(x[0]) == float(leaves[0][0]) for x in leaves), "leaves differ"
+    return int(sum(x.size for x in leaves)), float(leaves[0][0]), float(leaves[-1][-1])
 
 
 def add_all(*xs: np.ndarray) -> np.ndarray:
@@ -147,8 +169,9 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
         pids = ec.pids()
         expected = float(n * (n + 1) / 2)
         for _rep in range(reps + 1):  # rep 0 is cold
+            make = make_model if method == "hoplite-model" else make_input
             xs = [
-                client.submit(make_input, size, i, workers=[w], pure=False)
+                client.submit(make, size, i, workers=[w], pure=False)
                 for i, w in enumerate(workers)
             ]
             wait(xs)
@@ -207,10 +230,11 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
                     else got
                 )
             else:
-                got = client.submit(check, total, pure=False).result()
+                checker = check_model if method == "hoplite-model" else check
+                got = client.submit(checker, total, pure=False).result()
             if got != (size // 8, expected, expected):
                 ok, note = False, f"WRONG RESULT {got}"
-            if method == "hoplite" or "-parts" in method:
+            if method in ("hoplite", "hoplite-model") or "-parts" in method:
                 shapes.append(plan_shape(client, total))
             times.append(dt)
             ingress.append(max(b - a for a, b in zip(rx0, rx1, strict=True)))

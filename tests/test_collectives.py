@@ -150,9 +150,12 @@ def _mismatched(client):
     [bad_dtype] = scatter(client, [np.ones(10, dtype="f4")])
     with pytest.raises(ReduceInputError, match="dtype"):
         dh.reduce(good + [bad_dtype], "sum").result()
-    not_array = client.submit(lambda: [1, 2, 3])
+    not_array = client.submit(lambda: "1, 2, 3")
     with pytest.raises(ReduceInputError, match="numpy array"):
         dh.reduce([not_array, not_array], "sum").result()
+    # a list of numbers is a pytree (tests/test_pytrees.py): reduced leaf by leaf
+    numbers = client.submit(lambda: [1, 2, 3])
+    assert dh.reduce([numbers, numbers], "sum").result() == [2, 4, 6]
     # nothing was lost and the next reduction works
     np.testing.assert_array_equal(dh.reduce(good, "sum").result(), np.full(10, 2.0))
     # ...and every partial result was released (asynchronously, right after

@@ -82,6 +82,8 @@ def test_the_version_is_defined_once():
 
 #: Benchmarks that run a peer framework, each with the extra that declares it.
 #: The suite reads their tables (``benchmarks/peers.py``) but never runs them.
+#: Test modules of an optional extra (the suite skips them without it).
+OPTIONAL_TESTS = {"tests/test_torch.py": "torch"}
 PEER_SCRIPTS = {
     "benchmarks/mpi_peers.py": "mpi",
     "benchmarks/ray_peer.py": "peers",
@@ -111,7 +113,8 @@ def _undeclared(root: pathlib.Path, project: dict) -> list[str]:
     suite = _import_names([*project["dependencies"], *extras["test"]])
     out = []
     for use in suite_imports.third_party(str(root)):
-        extra = PEER_SCRIPTS.get(use.path.replace(os.sep, "/"))
+        path = use.path.replace(os.sep, "/")
+        extra = PEER_SCRIPTS.get(path) or OPTIONAL_TESTS.get(path)
         declared = suite | _import_names(extras[extra]) if extra else suite
         if use.top not in declared:
             where = f"the {extra!r} or 'test' extra" if extra else "the 'test' extra"

@@ -85,7 +85,10 @@ def reduce(
 
     ``op`` is 'sum', 'prod', 'min', 'max', 'mean' or any binary numpy ufunc; the
     result equals numpy's reduction over a stack of the inputs (e.g.
-    ``np.sum(np.stack(inputs), axis=0)``), up to the order of combination. With
+    ``np.sum(np.stack(inputs), axis=0)``), up to the order of combination.
+    Inputs may be models: dicts, lists and tuples of arrays (a ``state_dict``),
+    reduced leaf by leaf in one tree and given back in their shape, each leaf
+    as the type it went in (:mod:`dask_hoplite.core.pytrees`). With
     ``k``, only the first ``k`` inputs to be ready are reduced; see
     :func:`reduced_inputs`. Returns a Future of the result, on one worker, at
     once, like ``client.submit``: the inputs may still be pending, and the
@@ -253,8 +256,9 @@ def allgather(inputs: Sequence[Any]) -> list[Future]:
 
 
 def allreduce(inputs: Sequence[Any], op: Any = "sum") -> list[Future]:
-    """The reduction of ``inputs`` (as :func:`reduce`) on the worker of each
-    input: one future per input, in input order, returned at once.
+    """The reduction of ``inputs`` (as :func:`reduce`: arrays, or models as
+    pytrees) on the worker of each input: one future per input, in input
+    order, returned at once.
 
     Once every input is ready, the reduction is planned on the cluster
     (:mod:`dask_hoplite.worker.planned_outputs`): one reduce tree whose

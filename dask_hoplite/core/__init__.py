@@ -12,6 +12,7 @@ events, returning decisions, with no sockets and no event loop inside.
 * :mod:`~dask_hoplite.core.allreduce_outputs`: an allreduce's outputs, one per input:
   which worker makes each and how (root, copy, part, pull, alias);
 * :mod:`~dask_hoplite.core.reduce_spec`: a reduce tree as data, and input checks;
+* :mod:`~dask_hoplite.core.pytrees`: models (dicts, lists, tuples of arrays) as one flat array;
 * :mod:`~dask_hoplite.core.reduce_ops`: the operators and their dtypes;
 * :mod:`~dask_hoplite.core.tree_repair`: the repair state machine of a running tree;
 * :mod:`~dask_hoplite.core.tree_spread`: spreading a dead node over the live ones;

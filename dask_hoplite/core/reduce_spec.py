@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from dask.typing import Key
 
+from dask_hoplite.core.pytrees import (
+    LeafSignature,
+    check_signature,
+    is_pytree,
+    layout_of,
+    pack,
+    unpack,
+)
 from dask_hoplite.core.reduce_ops import reference
 from dask_hoplite.errors import ReduceInputError
 
@@ -60,6 +69,10 @@ class ReduceSpec:
     #: (a segmented allreduce, or a reduce in parts: ``split_tree_specs``);
     #: ``shape`` stays the inputs' full shape.
     segment: tuple[int, int] | None = None
+    #: The root's input is a pytree of this signature (every leaf's path,
+    #: shape and dtype: :mod:`dask_hoplite.core.pytrees`), reduced as one
+    #: flat array; ``shape`` is that array's. None: the inputs are arrays.
+    signature: tuple[LeafSignature, ...] | None = None
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -74,6 +87,11 @@ class ReduceSpec:
             "copies": list(self.copies),
             "field": self.field,
             "segment": list(self.segment) if self.segment is not None else None,
+            "signature": (
+                [[p, list(shape), dt] for p, shape, dt in self.signature]
+                if self.signature is not None
+                else None
+            ),
         }
 
     @classmethod
@@ -90,6 +108,11 @@ class ReduceSpec:
             tuple(m.get("copies") or ()),
             m.get("field"),
             tuple(m["segment"]) if m.get("segment") is not None else None,
+            (
+                tuple((p, tuple(shape), dt) for p, shape, dt in m["signature"])
+                if m.get("signature") is not None
+                else None
+            ),
         )
 
     def bounds(self) -> tuple[int, int]:
@@ -197,11 +220,27 @@ def select_field(value: Any, field: str | None, key: Key) -> Any:
 
 
 def check_input(
-    value: Any, key: Key, like: tuple[Key, tuple[int, ...], Any] | None = None
+    value: Any,
+    key: Key,
+    like: tuple[Key, tuple[int, ...], Any] | None = None,
+    signature: Sequence[LeafSignature] | None = None,
 ) -> np.ndarray:
-    """``value`` as a numpy array, or a :class:`ReduceInputError` naming ``key``
-    when it is not a numeric numpy array or, given ``like = (reference key,
-    shape, dtype)``, has another shape or dtype than that reference input."""
+    """``value`` as a numpy array (a pytree packed into one flat array:
+    :func:`~dask_hoplite.core.pytrees.pack`),
+    or a :class:`ReduceInputError` naming ``key`` when it is not a numeric
+    numpy array or pytree or, given ``like = (reference key, shape, dtype)``
+    and the reference input's pytree ``signature`` (None: an array), has
+    another shape or dtype or structure than that reference input."""
+    if is_pytree(value):
+        packed = pack(value, key)
+        if like is not None:
+            check_signature(packed.layout.signature, key, signature, like[0])
+        value = packed.flat
+    elif like is not None and signature is not None:
+        raise ReduceInputError(
+            f"input {key!r} of the reduction is a {type(value).__name__} but input "
+            f"{like[0]!r} is a pytree: all inputs must have one structure"
+        )
     if isinstance(value, np.generic):  # Dask may hand 0-d arrays over as scalars
         value = np.asarray(value)
     if not isinstance(value, np.ndarray) or value.dtype.fields is not None:
@@ -221,10 +260,46 @@ def check_input(
     return value
 
 
-def reduce_values(op: str, keys: list[Key], values: list[Any]) -> np.ndarray:
+def with_root_input(spec: ReduceSpec, value: Any) -> ReduceSpec:
+    """``spec`` with the shape and dtype of the root's input ``value`` (a
+    pytree's flat array's, and its signature), which every input must match."""
+    key = spec.inputs[spec.root]
+    if is_pytree(value):
+        layout = layout_of(value, key)[0]
+        signature = tuple(layout.signature)
+        return dataclasses.replace(
+            spec, shape=(layout.size,), dtype=layout.dtype, signature=signature
+        )
+    value = check_input(value, key)
+    return dataclasses.replace(spec, shape=value.shape, dtype=value.dtype.str, signature=None)
+
+
+def as_input(value: Any, key: Key, result: Any) -> Any:
+    """A reduction's flat ``result`` in the shape of input ``value`` (input
+    ``key``): unpacked where that is a pytree; as it is otherwise, or where
+    it was unpacked already."""
+    if not is_pytree(value) or not isinstance(result, np.ndarray):
+        return result
+    return unpack(layout_of(value, key)[0], result)
+
+
+def flat_shape(value: Any, key: Key) -> tuple[int, ...]:
+    """The shape of input ``value`` (input ``key``) as a reduction sees it:
+    a pytree's flat array's."""
+    return (layout_of(value, key)[0].size,) if is_pytree(value) else np.shape(value)
+
+
+def reduce_values(op: str, keys: list[Key], values: list[Any]) -> Any:
     """The reduction of ``values`` (the inputs ``keys``) in one place, in the
-    order given: what small objects get instead of a tree."""
-    first = check_input(values[0], keys[0])
+    order given: what small objects get instead of a tree. Pytrees are
+    reduced as one flat array each, and the result unpacked in the first's
+    shape."""
+    packed = pack(values[0], keys[0]) if is_pytree(values[0]) else None
+    first = check_input(values[0] if packed is None else packed.flat, keys[0])
     like = (keys[0], first.shape, first.dtype)
-    rest = [check_input(v, key, like) for key, v in zip(keys[1:], values[1:], strict=True)]
-    return reference(op, [first, *rest])
+    signature = None if packed is None else packed.layout.signature
+    rest = [
+        check_input(v, key, like, signature) for key, v in zip(keys[1:], values[1:], strict=True)
+    ]
+    result = reference(op, [first, *rest])
+    return result if packed is None else unpack(packed.layout, result)

@@ -34,7 +34,7 @@ from distributed.metrics import time as dask_time
 from dask_hoplite.core.protocol import StreamRequest
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_plan import PlanRequest, Tree, plan_reduction
-from dask_hoplite.core.reduce_spec import ReduceSpec, join_segments
+from dask_hoplite.core.reduce_spec import ReduceSpec, as_input, flat_shape, join_segments
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.errors import CollectiveAborted, ReduceInputError, as_exception
 from dask_hoplite.scheduler.client import network_estimate
@@ -109,9 +109,10 @@ class Allreduce:
             # segments' pipelines are broken; reduce everything here.
             return await self.reduce_anew(mine_spec, mine_spec.root, value)
         run = self._segments(value, spec_msgs, specs, mine)
-        return await self._or_reduce_anew(
+        result = await self._or_reduce_anew(
             "segmented allreduce", run, mine_spec, mine_spec.root, value
         )
+        return as_input(value, mine_spec.inputs[mine_spec.root], result)
 
     async def _segments(
         self, value: Any, spec_msgs: list[dict[str, Any]], specs: list[ReduceSpec], mine: int
@@ -131,7 +132,8 @@ class Allreduce:
             "allreduce segment",
         )
         order = [mine, *(i for i in range(len(specs)) if i != mine)]
-        return self._assemble(np.shape(value), specs, order, results)
+        shape = flat_shape(value, specs[mine].inputs[specs[mine].root])
+        return self._assemble(shape, specs, order, results)
 
     def _assemble(
         self,
@@ -210,7 +212,9 @@ class Allreduce:
                 buf.fail(CollectiveAborted("allreduce copy cancelled"))
                 raise
         if task.cancelled():
-            error: BaseException = CollectiveAborted(f"allreduce copy {j} of {spec.rid} was aborted")
+            error: BaseException = CollectiveAborted(
+                f"allreduce copy {j} of {spec.rid} was aborted"
+            )
         else:
             error = task.exception()  # type: ignore[assignment]
             if error is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
 from dask.typing import Key
 from distributed.worker import Worker
 
@@ -29,7 +30,7 @@ from dask_hoplite.core.reduce_plan import (
     plan_from_msg,
     plan_reduction,
 )
-from dask_hoplite.core.reduce_spec import reduce_values
+from dask_hoplite.core.reduce_spec import as_input, reduce_values
 from dask_hoplite.errors import NotRegistered
 from dask_hoplite.worker.context import secede_coroutine
 from dask_hoplite.worker.planned_reduce import (
@@ -56,6 +57,7 @@ async def plan_allreduce(w: Worker, req: PlanRequest) -> dict[str, Any]:
         "outputs": output_keys(req),
         "workers": workers,
         "chosen": list(plan.chosen),
+        "inputs": list(req.inputs),
     }
 
 
@@ -94,7 +96,12 @@ async def run_allreduce_output(w: Worker, planned: dict[str, Any], i: int) -> An
         return await part.allreduce.run_root(value, spec.to_msg())
     if kind == "copy":
         assert isinstance(plan, AllreduceTree), plan
-        return await part.allreduce.run_copy(plan.spec.to_msg(), role[1])
+        result = await part.allreduce.run_copy(plan.spec.to_msg(), role[1])
+        if isinstance(result, np.ndarray):  # streamed flat: a pytree's shape is its input's
+            key = planned["inputs"][i]
+            [value] = await fetch_values(w, part, [key])  # here, where the output was placed
+            result = as_input(value, key, result)
+        return result
     if kind == "part":
         assert isinstance(plan, SegmentedAllreduce), plan
         s = role[1]

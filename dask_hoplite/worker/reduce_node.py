@@ -20,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from distributed.protocol import serialize
 
+from dask_hoplite.core.pytrees import check_signature, is_pytree, layout_of, pack_range
 from dask_hoplite.core.reduce_ops import ReduceOp, resolve_op
 from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, select_field
 from dask_hoplite.core.store import BufferState, Layout, ObjectBuffer
@@ -50,15 +52,25 @@ def result_layout(shape: tuple[int, ...], dtype: np.dtype) -> Layout:
     return Layout(header, tuple(memoryview(f).nbytes for f in frames))
 
 
-def _operand(value: Any, spec: ReduceSpec, slot: int, rdt: np.dtype) -> np.ndarray:
-    """The node's own input as a flat C-contiguous array of the result dtype."""
-    like = (spec.inputs[spec.root], spec.shape, spec.dtype)
-    value = check_input(value, spec.inputs[slot], like)
-    flat = value.reshape(-1)  # a view when the input is contiguous
-    if spec.segment is not None:
-        lo, hi = spec.bounds()
-        flat = flat[lo:hi]  # sliced before any dtype conversion: only this segment
-    return np.ascontiguousarray(flat, dtype=rdt)
+def _operand(
+    value: Any,
+    spec: ReduceSpec,
+    slot: int,
+    rdt: np.dtype,
+    allocate: Callable[[int], np.ndarray] | None = None,
+) -> np.ndarray:
+    """The node's own input as a flat C-contiguous array of the result dtype
+    (a pytree's leaves packed, only this tree's segment of them, in memory
+    from ``allocate``)."""
+    key, root_key = spec.inputs[slot], spec.inputs[spec.root]
+    lo, hi = spec.bounds()
+    if is_pytree(value):
+        layout, arrays = layout_of(value, key)
+        check_signature(layout.signature, key, spec.signature, root_key)
+        return np.ascontiguousarray(pack_range(layout, arrays, lo, hi, allocate), dtype=rdt)
+    value = check_input(value, key, (root_key, spec.shape, spec.dtype), spec.signature)
+    flat = value.reshape(-1)[lo:hi]  # a view when the input is contiguous; sliced
+    return np.ascontiguousarray(flat, dtype=rdt)  # before any dtype conversion
 
 
 @dataclass
@@ -105,7 +117,7 @@ class ReduceNodes:
         children = spec.children(slot)
         if not children:
             # A leaf's partial result is its own operand: serve it as it is.
-            own = _operand(value, spec, slot, rdt)
+            own = _operand(value, spec, slot, rdt, store.pool.allocate)
             layout = result_layout(spec.node_shape(), rdt)
             leaf = store.add_source(key, layout.header, [own.view(np.uint8)])
             self.running[spec.rid, slot] = _RunningNode(spec, rdt, block, leaf)
@@ -114,7 +126,7 @@ class ReduceNodes:
         acc = store.announce(key)
         self.reductions.announced(key)
         try:
-            own = _operand(value, spec, slot, rdt)
+            own = _operand(value, spec, slot, rdt, store.pool.allocate)
             layout = result_layout(spec.node_shape(), rdt)
             fits = into is not None and layout.lengths == (into.size,)
             acc.allocate(layout, into if fits else None)
@@ -300,7 +312,7 @@ class ReduceNodes:
             value = select_field(data[key], s.field, key)
             node = self.running.get((s.rid, slot))
             rdt = resolve_op(s.op).result_dtype(np.dtype(s.dtype))
-            operand = _operand(value, s, input_slot, rdt)
+            operand = _operand(value, s, input_slot, rdt, self.ctx.store.pool.allocate)
         except ReduceInputError as e:
             return node_reply(e)
         layout = result_layout(s.node_shape(), rdt)

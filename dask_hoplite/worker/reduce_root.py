@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 from dask.typing import Key
 
+from dask_hoplite.core.pytrees import is_pytree, layout_of, unpack
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_plan import relocated_spec
-from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, join_segments
+from dask_hoplite.core.reduce_spec import ReduceSpec, as_input, join_segments, with_root_input
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.core.tree_repair import (
     BreakTree,
@@ -201,7 +202,9 @@ class TreeRoot:
                 assert isinstance(d, BreakTree), d
                 failed.append(t)
             if self.repair.closed:
-                logger.info("reduction %s: node %d failed after the result: %s", self.rid, node[0], e)
+                logger.info(
+                    "reduction %s: node %d failed after the result: %s", self.rid, node[0], e
+                )
         for d in self.repair.handle(Tick(now)):
             assert isinstance(d, BreakTree), d
             failed += [self.current[s] for s in d.slots]
@@ -317,7 +320,11 @@ class TreeRoot:
         rid = self.repair.spec.reduction_rid
         roots = {self, *self.reductions.roots.values()}
         return repair_load(
-            [r.repair for r in roots if isinstance(r, TreeRoot) and r.repair.spec.reduction_rid == rid]
+            [
+                r.repair
+                for r in roots
+                if isinstance(r, TreeRoot) and r.repair.spec.reduction_rid == rid
+            ]
         )
 
     async def _node_failure(self, check: CheckNode) -> str | None:
@@ -371,7 +378,9 @@ class ReduceRoots:
             raise
         outcome = "restarted" if restarted else "ok"
         self._ended(spec.rid, len(spec.inputs), kind, outcome, t0, result.nbytes)
-        return result
+        if spec.segment is not None:  # one segment: the caller joins them
+            return result
+        return as_input(value, spec.inputs[spec.root], result)
 
     async def run_segments(self, value: Any, spec_msgs: list[dict[str, Any]]) -> Any:
         """The result of a reduce in parts rooted here: every segment's tree
@@ -381,11 +390,14 @@ class ReduceRoots:
         rid, n = specs[0].reduction_rid, len(specs[0].inputs)
         t0 = time.monotonic()
         # Each segment's root writes into its place in one result: no join.
-        shape = np.shape(value)
+        root_key = specs[0].inputs[specs[0].root]
+        layout = layout_of(value, root_key)[0] if is_pytree(value) else None
+        shape = np.shape(value) if layout is None else (layout.size,)
+        dtype = getattr(value, "dtype", None) if layout is None else np.dtype(layout.dtype)
         flat: np.ndarray | None = None
         places: list[np.ndarray | None] = [None] * len(specs)
-        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
-            rdt = resolve_op(specs[0].op).result_dtype(value.dtype)
+        if isinstance(dtype, np.dtype) and dtype.kind in "biufc":
+            rdt = resolve_op(specs[0].op).result_dtype(dtype)
             flat = self.ctx.store.pool.allocate(math.prod(shape) * rdt.itemsize).view(rdt)
             places = [
                 flat[slice(*dataclasses.replace(s, shape=shape).bounds())].view(np.uint8)
@@ -402,7 +414,7 @@ class ReduceRoots:
         result = join_segments(shape, specs, [r for r, _ in done], out=flat)
         outcome = "restarted" if any(restarted for _, restarted in done) else "ok"
         self._ended(rid, n, "reduce", outcome, t0, result.nbytes)
-        return result
+        return result if layout is None else unpack(layout, result)
 
     async def _reduce(
         self, value: Any, spec: ReduceSpec, into: np.ndarray | None = None
@@ -411,9 +423,9 @@ class ReduceRoots:
         the bytes ``into`` if given (and they fit)."""
         ctx = self.ctx
         root = spec.root
-        value = check_input(value, spec.inputs[root])
-        # The root's input defines the shape and dtype every input must have.
-        spec = dataclasses.replace(spec, shape=value.shape, dtype=value.dtype.str)
+        # The root's input defines the shape and dtype (and, for a pytree,
+        # the structure) every input must have.
+        spec = with_root_input(spec, value)
         if spec.addresses[root] != ctx.address:  # Dask ran the root elsewhere
             spec = await self._relocated(spec, set())
         failed: set[str] = set()  # workers that did not answer their node's call
