@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 # One BLAS thread, set before numpy loads: the compute times measured here
@@ -71,48 +72,127 @@ def steal_share(before: list[int], after: list[int]) -> float:
     return delta[7] / max(1, sum(delta))
 
 
-def applications(
-    n: int, sleep: bool = False
-) -> dict[str, tuple[Callable[[Any, list[str]], Any], str]]:
-    """name -> (workload, its compute per task measured here on one core).
-    ``sleep``: the ensemble's predictions, the SGD gradients and RL's
-    rollouts, which all hosts compute at once, are replaced by a sleep of
-    their measured single-core time (the others always compute)."""
+def nbytes(tree: Any) -> int:
+    """The bytes of the arrays in ``tree`` (a dict of arrays, nested)."""
+    if isinstance(tree, dict):
+        return sum(nbytes(v) for v in tree.values())
+    return int(tree.nbytes)
+
+
+@dataclass
+class Application:
+    """One application: its workload, its compute per task as measured here
+    on one core (said in the table), and the bound of one step (None: not a
+    loop of steps)."""
+
+    workload: Callable[[Any, list[str]], Any]
+    compute: str
+    bound: Bound | None = None
+
+
+@dataclass
+class Bound:
+    """The least a step can take: the compute on its critical path (each
+    task's single-core time, slept or computed; applying an update counts)
+    plus, for each collective on it, its bytes over one NIC's bandwidth (a
+    broadcast or a reduce of S: S/B; a gather into one host of n - 1 objects
+    of s: (n - 1) s / B)."""
+
+    compute: float
+    #: The bytes each collective on the critical path puts through one NIC.
+    transfers: dict[str, int]
+
+    def seconds(self, bytes_per_s: float) -> float:
+        return self.compute + sum(self.transfers.values()) / bytes_per_s
+
+    def describe(self, bytes_per_s: float) -> str:
+        moved = " + ".join(f"{name} {b / bytes_per_s:.2f}" for name, b in self.transfers.items())
+        return f"{self.seconds(bytes_per_s):.2f} s = compute {self.compute:.2f} + {moved}"
+
+
+def applications(n: int, sleep: bool = False) -> dict[str, Application]:
+    """The applications, by name. ``sleep``: the ensemble's predictions, the
+    SGD gradients and RL's rollouts, which all hosts compute at once, are
+    replaced by a sleep of their measured single-core time (the others always
+    compute)."""
     batch = ensemble.load_batch(0, 1365)
     model = ensemble.load_model(0)
+    make_batch = timed(ensemble.load_batch, 0, 1365)
     predict = timed(ensemble.predict, model, batch)
+    pred = ensemble.predict(model, batch)
+    combine = timed(ensemble.combine, *([pred] * n))
     p = 32 * 2**20
     shard = async_sgd.make_shard(0, 200_000, p)
-    grad = timed(async_sgd.scaled_gradient, async_sgd.zeros(p), shard, 1e-3)
+    w = async_sgd.zeros(p)
+    grad = timed(async_sgd.scaled_gradient, w, shard, 1e-3)
+    update = timed(async_sgd.apply_update, w, w)
     stand_in = grad if sleep else None
     how = "slept" if sleep else "computed"
     policy = rl_weights.init_policy(16384, 1024)
     roll = timed(rl_weights.rollout, policy, 0, 0, 64)
     traj = rl_weights.rollout(policy, 0, 0, 64)
     learn = timed(rl_weights.learn, policy, 1.0, *([traj] * n))
+    sgd_bound = Bound(grad + update, {"weights": nbytes(w), "gradients": nbytes(w)})
     return {
-        "ensemble serving": (
-            lambda c, w: ensemble.workload(c, w, 1365, 6, 4, predict if sleep else None),
+        "ensemble serving": Application(
+            lambda c, ws: ensemble.workload(c, ws, 1365, 6, 4, predict if sleep else None),
             f"predict {predict:.2f} s, {how}",
+            Bound(
+                make_batch + predict + combine,
+                {"batch": batch.nbytes, "predictions": (n - 1) * pred.nbytes},
+            ),
         ),
-        "async SGD (k=6 of 8)": (
-            lambda c, w: async_sgd.workload(c, w, p, 200_000, 6, 10, 0.5, stand_in),
-            f"gradient {grad:.2f} s, {how}",
+        "async SGD (k=6 of 8)": Application(
+            lambda c, ws: async_sgd.workload(c, ws, p, 200_000, 6, 10, 0.5, stand_in),
+            f"gradient {grad:.2f} s, {how}; update {update:.2f} s",
+            sgd_bound,
         ),
-        "sync SGD (k=8 of 8)": (
-            lambda c, w: async_sgd.workload(c, w, p, 200_000, n, 10, 0.5, stand_in),
-            f"gradient {grad:.2f} s, {how}",
+        "sync SGD (k=8 of 8)": Application(
+            lambda c, ws: async_sgd.workload(c, ws, p, 200_000, n, 10, 0.5, stand_in),
+            f"gradient {grad:.2f} s, {how}; update {update:.2f} s",
+            sgd_bound,
         ),
-        "RL weight sync": (
-            lambda c, w: rl_weights.workload(c, w, 16384, 1024, 64, 8, roll if sleep else None),
+        "RL weight sync": Application(
+            lambda c, ws: rl_weights.workload(c, ws, 16384, 1024, 64, 8, roll if sleep else None),
             f"rollout {roll:.2f} s, {how}; learn {learn:.2f} s, computed",
+            Bound(
+                roll + learn,
+                {"policy": nbytes(policy), "trajectories": (n - 1) * nbytes(traj)},
+            ),
         ),
-        "dask.array x @ W, y.T @ y": (
-            lambda c, w: array_pipeline.workload(c, w, 4096, 512),
+        "dask.array x @ W, y.T @ y": Application(
+            lambda c, ws: array_pipeline.workload(c, ws, 4096, 512),
             "matmul per block (not measured)",
         ),
-        "dask.bag fold": (lambda c, w: bag_fold.workload(c, w, 4, 16 * 2**20), "-"),
+        "dask.bag fold": Application(lambda c, ws: bag_fold.workload(c, ws, 4, 16 * 2**20), "-"),
     }
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` as the nearest rank (p90 of 10: the 9th)."""
+    s = sorted(xs)
+    return s[max(0, min(len(s) - 1, round(q * len(s)) - 1))]
+
+
+def step_row(
+    name: str, app: Application, outcomes: dict[str, Any], bytes_per_s: float
+) -> list[Any]:
+    """One application's warm steps (all but the first) against its bound:
+    [name, bound s, hoplite p50 / bound, hoplite p90 / bound, Dask p50 /
+    bound, Dask p90 / bound, hoplite p50 s, how the bound is made]."""
+    assert app.bound is not None
+    bound = app.bound.seconds(bytes_per_s)
+    ours, theirs = outcomes["hoplite"].steps[1:], outcomes["dask"].steps[1:]
+    return [
+        name,
+        bound,
+        statistics.median(ours) / bound,
+        quantile(ours, 0.9) / bound,
+        statistics.median(theirs) / bound,
+        quantile(theirs, 0.9) / bound,
+        statistics.median(ours),
+        app.bound.describe(bytes_per_s),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,18 +210,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     args.emulated = True
-    rows = []
+    rows, steps = [], []
+    bytes_per_s = args.rate_mbit * 1e6 / 8
     apps = {
         name: app
         for name, app in applications(args.workers, args.sleep).items()
         if not args.only or any(s in name for s in args.only)
     }
     with harness.environment(args) as new_client:  # one emulated network for all
-        for name, (workload, compute) in apps.items():
+        for name, app in apps.items():
+            compute = app.compute
             print(f"# {name} ({harness.describe(args)})", flush=True)
             before = cpu_times()
-            outcomes = harness.compare(args, workload, new_client)
+            outcomes = harness.compare(args, app.workload, new_client)
             steal = steal_share(before, cpu_times())
+            if app.bound is not None:
+                steps.append(step_row(name, app, outcomes, bytes_per_s))
+                for mode in ("dask", "hoplite"):
+                    seconds = " ".join(f"{s:.2f}" for s in outcomes[mode].steps)
+                    print(f"#   {mode} steps, s: {seconds}", flush=True)
             for metric, (value, higher) in outcomes["dask"].metrics.items():
                 ours = outcomes["hoplite"].metrics[metric][0]
                 gain = ours / value if higher else value / ours
@@ -165,11 +252,34 @@ def main(argv: list[str] | None = None) -> int:
         "steal: the share of this machine's CPU time its hypervisor took while the application "
         "ran (both modes); figures from a run with much of it are slower than the machine's own"
     )
+    print_steps(steps)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(rows, f, indent=1)
+    with open(args.out + "-steps.json", "w") as f:
+        json.dump(steps, f, indent=1)
     plot(rows, args.out + ".png")
     return 0
+
+
+def print_steps(steps: list[list[Any]]) -> None:
+    """Each loop's step against its bound, and async SGD's step against sync's."""
+    if not steps:
+        return
+    header = (
+        f"\n{'application':<24}{'bound s':>8}{'p50':>7}{'p90':>7}{'Dask p50':>10}{'Dask p90':>10}"
+        "  (warm steps, x bound)  bound"
+    )
+    print(header + "\n" + "-" * (len(header) - 1))
+    for name, bound, p50, p90, d50, d90, _, how in steps:
+        print(f"{name:<24}{bound:>8.2f}{p50:>7.2f}{p90:>7.2f}{d50:>10.2f}{d90:>10.2f}  {how}")
+    p50s = {row[0]: row[6] for row in steps}
+    both = [p50s.get(k) for k in ("async SGD (k=6 of 8)", "sync SGD (k=8 of 8)")]
+    if None not in both:
+        print(
+            f"async SGD's p50 step is {both[0] / both[1]:.3f}x sync SGD's "
+            f"({both[0]:.2f} s against {both[1]:.2f} s)"
+        )
 
 
 def plot(rows: list[list[Any]], path: str) -> None:

@@ -37,6 +37,9 @@ class Outcome:
     result: Any
     #: name -> (value, higher is better)
     metrics: dict[str, tuple[float, bool]] = field(default_factory=dict)
+    #: The seconds of each step of a loop (an update, an iteration, a query),
+    #: in order, the first one (cold) included.
+    steps: list[float] = field(default_factory=list)
 
 
 Workload = Callable[[Client, list[str]], Outcome]

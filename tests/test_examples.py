@@ -72,7 +72,9 @@ def test_parameter_server_trains_as_numpy_does(cluster_client, k):
     used = got.result["used"]
     assert [len(u) for u in used] == [k] * 4
     expected = async_sgd.reference(3, 2_000, 500, used, rate=0.5)
-    np.testing.assert_allclose(got.result["weights"], expected, atol=1e-5)
+    assert list(got.result["weights"]) == list(async_sgd.FIELDS)  # the model's fields
+    for field, weights in expected.items():
+        np.testing.assert_allclose(got.result["weights"][field], weights, atol=1e-5)
     losses = got.result["losses"]
     assert losses[-1] < losses[0]
 
@@ -81,8 +83,12 @@ def test_rl_learner_policy_is_numpys(cluster_client):
     workers = worker_addresses(cluster_client)
     got = rl_weights.workload(cluster_client, workers, obs=256, actions=8, steps=16, iterations=3)
     expected = rl_weights.reference(3, obs=256, actions=8, steps=16, iterations=3)
-    np.testing.assert_allclose(got.result["policy"], expected, rtol=1e-4, atol=1e-6)
-    assert np.abs(expected).sum() > 0  # it did learn something
+    for layer in ("hidden", "out"):
+        for name in ("weight", "bias"):
+            np.testing.assert_allclose(
+                got.result["policy"][layer][name], expected[layer][name], rtol=1e-4, atol=1e-6
+            )
+    assert np.abs(expected["out"]["weight"]).sum() > 0  # it did learn something
 
 
 def _shapes(x):

@@ -83,7 +83,7 @@ def test_the_version_is_defined_once():
 #: Benchmarks that run a peer framework, each with the extra that declares it.
 #: The suite reads their tables (``benchmarks/peers.py``) but never runs them.
 #: Test modules of an optional extra (the suite skips them without it).
-OPTIONAL_TESTS = {"tests/test_torch.py": "torch"}
+OPTIONAL_TESTS = {"tests/test_torch.py": "torch", "examples/async_sgd_torch.py": "torch"}
 PEER_SCRIPTS = {
     "benchmarks/mpi_peers.py": "mpi",
     "benchmarks/ray_peer.py": "peers",

@@ -7,6 +7,10 @@ them, on a cluster.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import dask
 import pytest
 
@@ -58,3 +62,27 @@ def test_a_modules_state_dict_reduces_to_the_average_model(client):
         assert type(tensor) is torch.Tensor
         torch.testing.assert_close(tensor, sum(s[name] for s in states) / 3)
     nets[0].load_state_dict(mean)
+
+
+@pytest.mark.timeout(180)
+def test_the_parameter_server_trains_a_model_of_tensors_as_numpy_does(tmp_path):
+    """examples/async_sgd_torch.py: shards, weights and gradients as tensors,
+    reduced by dh.reduce, and the weights checked against numpy's."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["--workers", "2", "--params", "20000", "--samples", "2000", "--k", "2", "--steps", "3"]
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "examples", "async_sgd_torch.py"),
+            *args,
+            "--plot",
+            str(tmp_path / "loss.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "DASK_HOPLITE__MIN_BYTES": "1 KiB"},
+        cwd=root,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "(torch tensors)" in r.stdout and "results agree: yes" in r.stdout
