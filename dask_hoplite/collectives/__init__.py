@@ -52,6 +52,7 @@ from dask_hoplite.collectives.futures import (
     client_of,
     identity,
     keep_until_done,
+    until_done,
 )
 from dask_hoplite.collectives.split_broadcast import split_broadcast
 from dask_hoplite.compat import worker_addresses
@@ -59,6 +60,7 @@ from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.allreduce_outputs import output_keys
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_plan import PlanRequest
+from dask_hoplite.scheduler.client import METADATA_KEY
 from dask_hoplite.worker import tasks
 
 logger = logging.getLogger(__name__)
@@ -151,18 +153,30 @@ def reduce(
 
 def reduced_inputs(result: Future) -> Any:
     """The keys of the inputs a :func:`reduce` result contains (with an
-    asynchronous client, an awaitable of them). Waits for the choice of the
-    first ``k``, not for the reduction."""
+    asynchronous client, an awaitable of them), in the order they were
+    chosen. Waits for the reduction: with ``k < n``, an input lost with its
+    worker while its tree ran is replaced by a spare that is ready, where
+    there is one (:mod:`dask_hoplite.scheduler.spares_used`)."""
     chosen = getattr(result, INPUTS_ATTR, None)
     if chosen is None:
         raise ValueError(f"{result!r} is not the result of dask_hoplite.reduce")
     if isinstance(chosen, Future):
-        return chosen.client.sync(_reduced_inputs, chosen)
+        return chosen.client.sync(_reduced_inputs, chosen, result)
     return list(chosen)
 
 
-async def _reduced_inputs(plan: Future) -> list[Any]:
-    return list((await plan)["chosen"])
+async def _reduced_inputs(plan: Future, result: Future) -> list[Any]:
+    keys = list((await plan)["chosen"])
+    client = result.client
+    if await client.scheduler.get_metadata(keys=[METADATA_KEY], default=None) is None:
+        return keys  # Dask alone: the chosen inputs are reduced as they are
+    await until_done(result)
+    swaps = dict(map(tuple, await client.scheduler.hoplite_reduced_inputs(key=result.key)))
+    for i, key in enumerate(keys):
+        while key in swaps:  # a spare that was lost in turn, and replaced
+            key = swaps.pop(key)
+        keys[i] = key
+    return keys
 
 
 def broadcast(

@@ -4,6 +4,7 @@ reduction reads them outside Dask's graph."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,15 @@ def keep_until_done(keep: list[Future], futures: list[Future]) -> None:
 
     for j, f in enumerate(futures):
         f.add_done_callback(lambda _, j=j: done(j))
+
+
+async def until_done(future: Future) -> None:
+    """Wait, on the client's event loop, until ``future`` is done (finished,
+    erred or cancelled), without fetching its value."""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    future.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
+    await done.wait()
 
 
 def identity(x: Any) -> Any:

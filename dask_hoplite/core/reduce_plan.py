@@ -326,6 +326,7 @@ def _plan(
     spec = tree_spec(
         req.rid, req.op, chosen, addresses, net, size, req.block_bytes, req.to, req.root_input
     )
+    spec = dataclasses.replace(spec, spares=tuple(spares))  # in place of an input lost mid-tree
     return Tree(**base, spec=spec, leaves=req.leaves)
 
 

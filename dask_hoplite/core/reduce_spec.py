@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,10 @@ class ReduceSpec:
     #: shape and dtype: :mod:`dask_hoplite.core.pytrees`), reduced as one
     #: flat array; ``shape`` is that array's. None: the inputs are arrays.
     signature: tuple[LeafSignature, ...] | None = None
+    #: Inputs of the reduction left out of this tree (with ``k < n``): when a
+    #: node's input is lost with its worker, the root restarts the tree with a
+    #: ready spare in its place (a plain tree only: :func:`with_spares`).
+    spares: tuple[Key, ...] = ()
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -92,6 +96,7 @@ class ReduceSpec:
                 if self.signature is not None
                 else None
             ),
+            "spares": list(self.spares),
         }
 
     @classmethod
@@ -113,6 +118,7 @@ class ReduceSpec:
                 if m.get("signature") is not None
                 else None
             ),
+            tuple(m.get("spares") or ()),
         )
 
     def bounds(self) -> tuple[int, int]:
@@ -165,6 +171,33 @@ class ReduceSpec:
         if j == 0:
             return self.addresses[self.root], self.partial_key(self.root)
         return self.copies[j - 1], self.copy_key(j - 1)
+
+
+def with_spares(
+    spec: ReduceSpec,
+    holders: Mapping[Key, Sequence[str]],
+    avoid: set[str],
+) -> tuple[ReduceSpec, dict[Key, Key]]:
+    """``spec`` with every input that has no holder outside ``avoid`` (lost
+    with its worker) replaced by a spare that has one, in the order of
+    ``spec.spares``, and what replaced what (lost input -> spare). The
+    root's input is never replaced: the root holds it. Segment trees keep
+    their inputs: the segments of one result must all reduce the same ones."""
+    if spec.segment is not None or spec.is_allreduce:
+        return spec, {}
+
+    def held(key: Key) -> bool:
+        return bool(set(holders.get(key) or ()) - avoid)
+
+    ready = [key for key in spec.spares if held(key)]
+    inputs, swaps = list(spec.inputs), {}
+    for slot, key in enumerate(inputs):
+        if slot != spec.root and not held(key) and ready:
+            inputs[slot] = swaps[key] = ready.pop(0)
+    if not swaps:
+        return spec, {}
+    spares = tuple(key for key in spec.spares if key not in swaps.values())
+    return dataclasses.replace(spec, inputs=tuple(inputs), spares=spares), swaps
 
 
 def join_segments(

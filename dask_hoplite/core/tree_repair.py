@@ -338,7 +338,9 @@ class TreeRepair:
 
     def _asked(self, e: RepairAsked) -> list[Decision]:
         if e.slot in self.requests:
-            why: str | None = f"node {e.slot} of reduction {self.spec.rid} is being repaired already"
+            why: str | None = (
+                f"node {e.slot} of reduction {self.spec.rid} is being repaired already"
+            )
         else:
             why = self._refusal(e.slot)
         if why is not None:

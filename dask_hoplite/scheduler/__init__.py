@@ -8,6 +8,7 @@ only wires the rest into the scheduler and takes it out again:
 - :mod:`.queries`: read-only RPCs reductions and collectives plan with;
 - :mod:`.client`: their other side, what workers and clients ask the scheduler part;
 - :mod:`.first_ready`: the first ``k`` of a reduction's inputs to be ready;
+- :mod:`.spares_used`: which inputs a result holds when spares replaced lost ones;
 - :mod:`.cancellation`: a collective task cancelled while it runs is stopped on its worker;
 - :mod:`.collective_log`: what the collectives did, by kind and outcome;
 - :mod:`.metrics`: the scheduler part's Prometheus series;

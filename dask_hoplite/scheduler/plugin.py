@@ -53,6 +53,7 @@ from dask_hoplite.scheduler.metrics import SCHEDULER_SERIES, SchedulerSource
 from dask_hoplite.scheduler.peers import Peers
 from dask_hoplite.scheduler.queries import SchedulerQueries
 from dask_hoplite.scheduler.replicate import ReplicateOverride
+from dask_hoplite.scheduler.spares_used import SparesUsed
 from dask_hoplite.worker.context import PLUGIN_NAME
 from dask_hoplite.worker.plugin import HopliteWorker
 
@@ -99,6 +100,7 @@ class Hoplite(SchedulerPlugin):
         self.service: DirectoryService | None = None
         self.replicator: ReplicateOverride | None = None
         self.first_ready: FirstReady | None = None
+        self.spares_used: SparesUsed | None = None
         self.cancels: CollectiveCancels | None = None
         self.collectives: CollectiveLog | None = None
         self.series: SchedulerSource | None = None
@@ -167,6 +169,7 @@ class Hoplite(SchedulerPlugin):
         self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)
         self.first_ready = first_ready = FirstReady(s.tasks.get, network)
+        self.spares_used = spares_used = SparesUsed()
         if COLLECTIVES in self.features:
             self.cancels = CollectiveCancels(functools.partial(_send_to_worker, s))
         self.replicator = ReplicateOverride(config, pins)
@@ -196,6 +199,8 @@ class Hoplite(SchedulerPlugin):
             "hoplite_key_states": queries.key_states,
             "hoplite_task_worker": queries.task_worker,
             "hoplite_first_ready": first_ready.first_ready,
+            "hoplite_spares_used": spares_used.used,
+            "hoplite_reduced_inputs": spares_used.reduced_inputs,
             "hoplite_worker_features": peers.reported,
             "hoplite_features": peers.to_msg,
         }
@@ -268,6 +273,8 @@ class Hoplite(SchedulerPlugin):
             self.service.key_transitioned(key, start, finish, kwargs.get("worker"))
         if self.first_ready is not None:
             self.first_ready.key_transitioned(key, finish)
+        if self.spares_used is not None:
+            self.spares_used.key_transitioned(key, finish)
         if self.cancels is not None and self.scheduler is not None:
             ts = self.scheduler.tasks.get(key) if finish == "processing" else None
             where = ts.processing_on.address if ts is not None and ts.processing_on else None

@@ -172,7 +172,7 @@ async def run_plan(w: Worker, plan_msg: dict[str, Any]) -> Any:
         raise NotRegistered.on_worker(w.address)
     if isinstance(plan, Tree):
         [value] = await fetch_values(w, part, [plan.spec.inputs[plan.spec.root]])
-        return await part.roots.run(value, plan.spec.to_msg())
+        return await part.roots.run(value, plan.spec.to_msg(), plan_msg.get(TASK_FIELD))
     if isinstance(plan, SplitTrees):
         first = plan.specs[0]
         [value] = await fetch_values(w, part, [first.inputs[first.root]])

@@ -30,7 +30,13 @@ from dask.typing import Key
 from dask_hoplite.core.pytrees import is_pytree, layout_of, unpack
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_plan import relocated_spec
-from dask_hoplite.core.reduce_spec import ReduceSpec, as_input, join_segments, with_root_input
+from dask_hoplite.core.reduce_spec import (
+    ReduceSpec,
+    as_input,
+    join_segments,
+    with_root_input,
+    with_spares,
+)
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.core.tree_repair import (
     BreakTree,
@@ -75,11 +81,15 @@ class TreeRoot:
         nodes: ReduceNodes,
         spec: ReduceSpec,
         into: np.ndarray | None = None,
+        lost_with: set[str] | None = None,
     ) -> None:
         self.ctx = ctx
         self.reductions = reductions
         self.nodes = nodes
         self.rid = spec.rid
+        #: Workers whose node's input is lost with them, for the restart to
+        #: avoid (they may be dead yet still listed as holders for a while).
+        self.lost_with = set() if lost_with is None else lost_with
         #: The bytes the root's result is made in (None: pooled memory).
         self.into = into
         #: Decides every repair of this tree; this object carries them out.
@@ -283,12 +293,19 @@ class TreeRoot:
             if isinstance(d, CheckNode):
                 event: Any = NodeChecked(slot, await self._node_failure(d))
             elif isinstance(d, FindHolder):
-                try:
-                    holder = await self._holder_of(d.key, avoid=d.avoid)
-                except Exception as e:
-                    event = HolderMissing(slot, f"{type(e).__name__}: {e}")
+                spare = await self._spare_instead(d.key, d.avoid)
+                if spare is not None:  # restart the tree with the spare (_restart)
+                    self.lost_with.add(d.avoid)
+                    event = HolderMissing(
+                        slot, f"input {d.key!r} is lost; spare {spare!r} is ready"
+                    )
                 else:
-                    event = HolderFound(slot, holder, self._load())
+                    try:
+                        holder = await self._holder_of(d.key, avoid=d.avoid)
+                    except Exception as e:
+                        event = HolderMissing(slot, f"{type(e).__name__}: {e}")
+                    else:
+                        event = HolderFound(slot, holder, self._load())
             else:
                 assert isinstance(d, Spread), d
                 try:
@@ -342,6 +359,17 @@ class TreeRoot:
             return f"node {slot} on {dead} failed: {e}"
         return None
 
+    async def _spare_instead(self, key: Key, avoid: str) -> Key | None:
+        """A spare input of this tree that is ready now, if ``key`` (a dead
+        node's input) has no holder but ``avoid`` (its recomputation would be
+        waited for, while the spare is there; :func:`with_spares`)."""
+        spec = self.repair.spec
+        if not spec.spares:
+            return None
+        who_has = await self.ctx.worker.scheduler.who_has(keys=[*spec.inputs, *spec.spares])
+        _, swaps = with_spares(spec, who_has, {avoid})
+        return swaps.get(key)
+
     async def _holder_of(self, key: Key, avoid: str) -> str:
         """A worker holding ``key`` other than ``avoid``, waiting while the
         scheduler recomputes it."""
@@ -365,19 +393,25 @@ class ReduceRoots:
         self.reductions = reductions
         self.nodes = nodes
 
-    async def run(self, value: Any, spec_msg: dict[str, Any]) -> Any:
+    async def run(self, value: Any, spec_msg: dict[str, Any], task: Key | None = None) -> Any:
         """The result of the reduction ``spec_msg`` rooted here (``value``: the
-        root's input), restarting a plain reduction whose tree broke."""
+        root's input), restarting a plain reduction whose tree broke. Where a
+        spare replaced a lost input, the scheduler is told, for the result
+        task ``task`` (:func:`dask_hoplite.reduced_inputs` asks it)."""
         spec = ReduceSpec.from_msg(spec_msg)
         kind = "allreduce" if spec.is_allreduce else "reduce"
         t0 = time.monotonic()
         try:
-            result, restarted = await self._reduce(value, spec)
+            result, restarted, swaps = await self._reduce(value, spec)
         except Exception:
             self._ended(spec.rid, len(spec.inputs), kind, "failed", t0)
             raise
         outcome = "restarted" if restarted else "ok"
         self._ended(spec.rid, len(spec.inputs), kind, outcome, t0, result.nbytes)
+        if swaps and task is not None:
+            await self.ctx.worker.scheduler.hoplite_spares_used(
+                key=task, swaps=[[lost, spare] for lost, spare in swaps.items()]
+            )
         if spec.segment is not None:  # one segment: the caller joins them
             return result
         return as_input(value, spec.inputs[spec.root], result)
@@ -411,27 +445,31 @@ class ReduceRoots:
         except Exception:
             self._ended(rid, n, "reduce", "failed", t0)
             raise
-        result = join_segments(shape, specs, [r for r, _ in done], out=flat)
-        outcome = "restarted" if any(restarted for _, restarted in done) else "ok"
+        result = join_segments(shape, specs, [r for r, _, _ in done], out=flat)
+        outcome = "restarted" if any(restarted for _, restarted, _ in done) else "ok"
         self._ended(rid, n, "reduce", outcome, t0, result.nbytes)
         return result if layout is None else unpack(layout, result)
 
     async def _reduce(
         self, value: Any, spec: ReduceSpec, into: np.ndarray | None = None
-    ) -> tuple[Any, bool]:
-        """The result of tree ``spec``, and whether it was restarted; made in
-        the bytes ``into`` if given (and they fit)."""
+    ) -> tuple[Any, bool, dict[Key, Key]]:
+        """The result of tree ``spec``, whether it was restarted, and the
+        inputs lost with their worker that a spare replaced (lost -> spare);
+        made in the bytes ``into`` if given (and they fit)."""
         ctx = self.ctx
         root = spec.root
+        swaps: dict[Key, Key] = {}
         # The root's input defines the shape and dtype (and, for a pytree,
         # the structure) every input must have.
         spec = with_root_input(spec, value)
         if spec.addresses[root] != ctx.address:  # Dask ran the root elsewhere
-            spec = await self._relocated(spec, set())
-        failed: set[str] = set()  # workers that did not answer their node's call
+            spec = await self._relocated(spec, set(), swaps)
+        # Workers that did not answer their node's call, or whose node's input
+        # was lost with them.
+        failed: set[str] = set()
         for attempt in range(ctx.config.max_resumes + 1):
             try:
-                result = await self._attempt(spec, value, into)
+                result = await self._attempt(spec, value, into, failed)
                 break
             except ReduceInputError:
                 raise
@@ -440,11 +478,11 @@ class ReduceRoots:
                     raise
                 if isinstance(e, NodeFailed) and e.unreachable:
                     failed.add(e.address)
-                spec = await self._restart(spec, e, failed)
+                spec = await self._restart(spec, e, failed, swaps)
         if not spec.children(root):  # a single input: its buffer is the input itself
             result = result.copy()
         resolve_op(spec.op).finish(result, len(spec.inputs))
-        return result, attempt > 0
+        return result, attempt > 0, swaps
 
     def _ended(
         self, rid: str, inputs: int, kind: str, outcome: str, t0: float, nbytes: int = 0
@@ -467,16 +505,25 @@ class ReduceRoots:
             }
         )
 
-    async def _attempt(self, spec: ReduceSpec, value: Any, into: np.ndarray | None = None) -> Any:
+    async def _attempt(
+        self,
+        spec: ReduceSpec,
+        value: Any,
+        into: np.ndarray | None = None,
+        lost_with: set[str] | None = None,
+    ) -> Any:
         # With allreduce copies, the first one streams the root's partial result
         # while it fills: hold it until that copy has all of it (and only then
         # finish a mean in place). Registered before the node runs, so that a
         # copy finishing early is not missed.
         key = spec.partial_key(spec.root)
         async with self.reductions.held_until_sent(key, hold=bool(spec.copies)):
-            return await TreeRoot(self.ctx, self.reductions, self.nodes, spec, into).run(value)
+            root = TreeRoot(self.ctx, self.reductions, self.nodes, spec, into, lost_with)
+            return await root.run(value)
 
-    async def _restart(self, spec: ReduceSpec, error: Exception, avoid: set[str]) -> ReduceSpec:
+    async def _restart(
+        self, spec: ReduceSpec, error: Exception, avoid: set[str], swaps: dict[Key, Key]
+    ) -> ReduceSpec:
         logger.warning(
             "reduction %s broke (%s: %s); restarting with the inputs located again",
             spec.rid,
@@ -485,7 +532,7 @@ class ReduceRoots:
         )
         self.ctx.event("reduce-restarts", rid=spec.rid, error=f"{type(error).__name__}: {error}")
         t0 = time.monotonic()
-        new = await self._relocated(spec, avoid)
+        new = await self._relocated(spec, avoid, swaps)
         logger.info(
             "reduction %s restarts as %s: inputs located again in %.2fs",
             spec.rid,
@@ -495,11 +542,27 @@ class ReduceRoots:
         logger.debug("reduction %s: parents %s, workers %s", new.rid, new.parent, new.addresses)
         return new
 
-    async def _relocated(self, spec: ReduceSpec, avoid: set[str]) -> ReduceSpec:
+    async def _relocated(
+        self, spec: ReduceSpec, avoid: set[str], swaps: dict[Key, Key]
+    ) -> ReduceSpec:
         """``spec`` with a new id and every input's current holder (this worker
-        for the root's), waiting while the scheduler recomputes lost inputs;
-        holders in ``avoid`` (they just failed) only if there is no other."""
+        for the root's), waiting while the scheduler recomputes lost inputs
+        unless a spare is ready to take a lost input's place (recorded in
+        ``swaps``: lost -> spare); holders in ``avoid`` (they just failed) only
+        if there is no other."""
         cfg = self.ctx.config
+        if spec.spares:
+            who_has = await self.ctx.worker.scheduler.who_has(keys=[*spec.inputs, *spec.spares])
+            spec, new = with_spares(spec, who_has, avoid)
+            for lost, spare in new.items():
+                logger.warning(
+                    "reduction %s: input %r was lost with its worker; spare %r takes its place",
+                    spec.rid,
+                    lost,
+                    spare,
+                )
+                self.ctx.event("reduce-spares", rid=spec.rid, lost=lost, spare=spare)
+                swaps[lost] = spare
         keys = list(spec.inputs)
         # A worker that just failed is often dead but not yet removed by the
         # scheduler: give it a stall timeout to drop out of who_has before
