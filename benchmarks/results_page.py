@@ -279,6 +279,36 @@ def applications_table(src: Source = APPLICATIONS) -> list[str]:
     return out + ["", src.note()]
 
 
+#: The applications' steps against their bound.
+APPLICATION_STEPS = Source(
+    "applications-2026-12-03/apps-1-steps.json",
+    "python benchmarks/applications.py --workers 8 --rate-mbit 1000 --sleep "
+    "--only ensemble SGD RL",
+    "N = 8 hosts, 1 Gbit/s; the warm steps of one run (all but the first: 6 queries, 9 "
+    "updates, 7 iterations), as ratios to the step's bound, the compute on its critical "
+    "path (each task's measured single-core time, slept where the table above says so, an "
+    "update included) plus each collective's bytes over one NIC; the models as dicts of "
+    "arrays; 2026-12-03, 0-1% CPU steal",
+)
+
+
+def application_steps_table(src: Source = APPLICATION_STEPS) -> list[str]:
+    out = [
+        "| application | bound | p50 | p90 | Dask p50 | Dask p90 | the bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = src.load()
+    for name, bound, p50, p90, d50, d90, _, how in rows:
+        out.append(
+            f"| {name} | {bound:.2f} s | {p50:.2f}x | {p90:.2f}x | {d50:.2f}x | {d90:.2f}x "
+            f"| {how} |"
+        )
+    p50s = {r[0]: r[6] for r in rows}
+    a, s = p50s.get("async SGD (k=6 of 8)"), p50s.get("sync SGD (k=8 of 8)")
+    note = f"Async SGD's p50 step is {a / s:.3f}x sync SGD's. " if a and s else ""
+    return out + ["", note + src.note()]
+
+
 #: The simulation shown.
 SIMULATION = Source(
     "simulation-1024-pooled.json",
@@ -316,6 +346,7 @@ def generated() -> str:
         lines += table(f for f in FIGURES if f.section == section)
         lines += [""]
     lines += ["### Applications", ""] + applications_table() + [""]
+    lines += ["### Applications against their bound", ""] + application_steps_table() + [""]
     lines += ["### 1,024 workers, simulated", ""] + simulation_table() + [""]
     lines.append(END)
     return "\n".join(lines)

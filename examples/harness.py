@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,8 +93,12 @@ def _emulated(
     ok, why = emulation.available()
     if not ok:
         raise SystemExit(f"--emulated: {why}")
+    # Each cluster's scheduler and worker logs, to look at when a run goes wrong.
+    logs = tempfile.mkdtemp(prefix="hoplite-emulated-logs-")
+    print(f"# logs of the emulated clusters: {logs}", flush=True)
     with emulation.EmulatedCluster(n, rate_mbit=rate_mbit) as ec:
         ec.enter_namespace("sched")
+        runs = itertools.count()
 
         # The examples' modules, importable by the workers (a workload called
         # from another script pickles its functions by reference).
@@ -101,7 +107,9 @@ def _emulated(
 
         @contextlib.contextmanager
         def client() -> Iterator[Client]:
-            ec.start_dask(env={**SINGLE_THREADED, "PYTHONPATH": path})
+            log_dir = os.path.join(logs, f"cluster-{next(runs)}")
+            os.makedirs(log_dir)
+            ec.start_dask(env={**SINGLE_THREADED, "PYTHONPATH": path}, log_dir=log_dir)
             try:
                 with Client(ec.scheduler_address) as c:
                     yield c
