@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from dask_hoplite.core.pytrees import (
     is_pytree,
     layout_of,
     pack,
+    pack_range,
     unpack,
 )
 from dask_hoplite.core.reduce_ops import reference
@@ -291,6 +292,27 @@ def check_input(
                 "inputs of a reduction must have one shape and dtype"
             )
     return value
+
+
+def input_range(
+    value: Any,
+    key: Key,
+    like: tuple[Key, tuple[int, ...], Any] | None,
+    signature: Sequence[LeafSignature] | None,
+    lo: int,
+    hi: int,
+    allocate: Callable[[int], np.ndarray] | None = None,
+) -> np.ndarray:
+    """Elements ``[lo, hi)`` of input ``value`` seen as one flat array, after
+    the checks of :func:`check_input`: what a node of a tree over that range
+    combines. A pytree packs only the leaves' bytes in the range, into memory
+    from ``allocate``; an array's range is a view where it is contiguous."""
+    if is_pytree(value):
+        layout, arrays = layout_of(value, key)
+        if like is not None:
+            check_signature(layout.signature, key, signature, like[0])
+        return pack_range(layout, arrays, lo, hi, allocate)
+    return check_input(value, key, like, signature).reshape(-1)[lo:hi]
 
 
 def with_root_input(spec: ReduceSpec, value: Any) -> ReduceSpec:

@@ -27,9 +27,8 @@ from typing import Any
 import numpy as np
 from distributed.protocol import serialize
 
-from dask_hoplite.core.pytrees import check_signature, is_pytree, layout_of, pack_range
 from dask_hoplite.core.reduce_ops import ReduceOp, resolve_op
-from dask_hoplite.core.reduce_spec import ReduceSpec, check_input, select_field
+from dask_hoplite.core.reduce_spec import ReduceSpec, input_range, select_field
 from dask_hoplite.core.store import BufferState, Layout, ObjectBuffer
 from dask_hoplite.errors import ProtocolError, ReduceInputError, as_exception, node_reply
 from dask_hoplite.worker.combine import (
@@ -62,15 +61,11 @@ def _operand(
     """The node's own input as a flat C-contiguous array of the result dtype
     (a pytree's leaves packed, only this tree's segment of them, in memory
     from ``allocate``)."""
-    key, root_key = spec.inputs[slot], spec.inputs[spec.root]
     lo, hi = spec.bounds()
-    if is_pytree(value):
-        layout, arrays = layout_of(value, key)
-        check_signature(layout.signature, key, spec.signature, root_key)
-        return np.ascontiguousarray(pack_range(layout, arrays, lo, hi, allocate), dtype=rdt)
-    value = check_input(value, key, (root_key, spec.shape, spec.dtype), spec.signature)
-    flat = value.reshape(-1)[lo:hi]  # a view when the input is contiguous; sliced
-    return np.ascontiguousarray(flat, dtype=rdt)  # before any dtype conversion
+    like = (spec.inputs[spec.root], spec.shape, spec.dtype)
+    flat = input_range(value, spec.inputs[slot], like, spec.signature, lo, hi, allocate)
+    # Sliced before any dtype conversion, so only the range is converted.
+    return np.ascontiguousarray(flat, dtype=rdt)
 
 
 @dataclass
