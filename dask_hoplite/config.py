@@ -105,7 +105,7 @@ class HopliteConfig:
     prefault: bool
     timelines: bool
     timeline_interval: float
-    buffer_pool_reserve: int
+    buffer_pool_reserve: int | None  # None: "auto" (core/buffer_pool.auto_reserve)
     buffer_pool_reserve_regions: int
     reduce_bandwidth: float | None  # bytes per second; None: measured
     reduce_latency: float | None  # seconds per hop; None: measured
@@ -170,7 +170,9 @@ class HopliteConfig:
             prefault=bool(_get("prefault")),
             timelines=bool(_get("timelines")),
             timeline_interval=_seconds("timeline-interval"),
-            buffer_pool_reserve=_bytes("buffer-pool-reserve"),
+            buffer_pool_reserve=None
+            if _auto("buffer-pool-reserve")
+            else _bytes("buffer-pool-reserve"),
             buffer_pool_reserve_regions=_count("buffer-pool-reserve-regions"),
             reduce_bandwidth=None
             if _auto("reduce.bandwidth")

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dask_hoplite.core.buffer_pool import AUTO_RESERVE_MAX, AUTO_RESERVE_MIN, auto_reserve
 from dask_hoplite.core.store import (
     BlockStore,
     BufferPool,
@@ -329,6 +330,26 @@ def test_reserved_memory_serves_the_first_objects_and_stays():
     gc.collect()
     assert pool.trim(0.0, now=time.monotonic() + 1e6) == 0
     assert pool.idle_bytes == 80 * 2**20  # capacity 0 dropped only the fresh region
+
+
+def test_the_automatic_reserve_is_a_sixteenth_of_the_memory_limit_within_its_bounds():
+    """``hoplite.buffer-pool-reserve: auto``: a worker of 2 GiB reserves
+    128 MiB, a large one 256 MiB, a small one nothing; without a limit the
+    host's memory counts."""
+    mib = 2**20
+    assert auto_reserve(2 * 2**30, 64 * 2**30) == 128 * mib
+    assert auto_reserve(32 * 2**30, 64 * 2**30) == AUTO_RESERVE_MAX == 256 * mib
+    assert auto_reserve(512 * mib, 64 * 2**30) == 0  # 32 MiB: below AUTO_RESERVE_MIN
+    assert auto_reserve(None, 2 * 2**30) == auto_reserve(0, 2 * 2**30) == 128 * mib
+
+
+@given(limit=st.integers(0, 2**40), host=st.integers(1, 2**40))
+def test_the_automatic_reserve_is_whole_mib_bounded_and_grows_with_the_limit(limit, host):
+    size = auto_reserve(limit, host)
+    assert size == 0 or AUTO_RESERVE_MIN <= size <= AUTO_RESERVE_MAX
+    assert size % BufferPool.GRANULE == 0
+    assert size <= (limit or host) // 16
+    assert auto_reserve(limit * 2, host) >= size if limit else True
 
 
 def test_the_prefaulter_populates_fresh_regions_in_the_background():

@@ -17,6 +17,26 @@ from collections.abc import Callable
 
 import numpy as np
 
+#: ``hoplite.buffer-pool-reserve: auto`` reserves this fraction of the
+#: worker's memory limit (of the host's memory where it has none) ...
+AUTO_RESERVE_FRACTION = 1 / 16
+#: ... at most this much, the size of object it serves first ...
+AUTO_RESERVE_MAX = 256 * 2**20
+#: ... and nothing when that comes to less than this: a worker that small
+#: moves no object worth a reserve.
+AUTO_RESERVE_MIN = 64 * 2**20
+
+
+def auto_reserve(memory_limit: int | None, host_memory: int) -> int:
+    """The bytes ``hoplite.buffer-pool-reserve: auto`` reserves on a worker
+    with ``memory_limit`` (None or 0: no limit) on a host of ``host_memory``
+    bytes: whole MiB, between :data:`AUTO_RESERVE_MIN` and
+    :data:`AUTO_RESERVE_MAX`, or 0."""
+    budget = memory_limit if memory_limit else host_memory
+    size = min(int(budget * AUTO_RESERVE_FRACTION), AUTO_RESERVE_MAX)
+    size -= size % BufferPool.GRANULE
+    return size if size >= AUTO_RESERVE_MIN else 0
+
 
 class BufferPool:
     """Recycles the memory of receiving buffers.

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dask.typing import Key
-from distributed import WorkerPlugin
+from distributed import WorkerPlugin, system
 from distributed.worker import Worker
 from tornado.ioloop import PeriodicCallback
 
@@ -29,6 +29,7 @@ from dask_hoplite.compat import (
     installed_distributed_version,
 )
 from dask_hoplite.config import HopliteConfig
+from dask_hoplite.core.buffer_pool import auto_reserve
 from dask_hoplite.core.protocol import STREAM_OP
 from dask_hoplite.core.store import BlockStore, BufferPool
 from dask_hoplite.errors import NotRegistered, VersionMismatch
@@ -88,7 +89,11 @@ class WorkerParts:
     ) -> WorkerParts:
         prefaulter = Prefaulter() if config.prefault else None
         pool = BufferPool(config.buffer_pool_bytes, prefaulter.submit if prefaulter else None)
-        pool.reserve(config.buffer_pool_reserve, config.buffer_pool_reserve_regions)
+        reserve = config.buffer_pool_reserve
+        if reserve is None:  # "auto": a fraction of the worker's memory limit
+            manager = getattr(worker, "memory_manager", None)
+            reserve = auto_reserve(getattr(manager, "memory_limit", None), system.MEMORY_LIMIT)
+        pool.reserve(reserve, config.buffer_pool_reserve_regions)
         ctx = WorkerContext(worker, BlockStore(pool), config)
         if features is not None:
             ctx.features = features.on
