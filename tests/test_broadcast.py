@@ -449,11 +449,16 @@ async def test_a_reduce_in_parts_runs_one_tree_per_segment(c, s, *workers):
 )
 async def test_a_fresh_workers_first_large_object_lands_in_its_reserve(c, s, a, b):
     """By default each worker maps and faults in 1/16 of its memory limit
-    when it starts (here 128 MiB), so the first large transfer of a fresh
-    cluster does not wait for the kernel to zero fresh pages."""
+    when the plugin starts there (here 128 MiB), before the registration
+    returns, so the first large transfer of a fresh cluster does not wait
+    for the kernel to zero fresh pages."""
     await c.register_plugin(Hoplite())
-    pool = b.plugins["hoplite-worker"].parts.ctx.store.pool
+    parts = b.plugins["hoplite-worker"].parts
+    pool = parts.ctx.store.pool
     assert pool.idle_bytes == 128 * 2**20
+    if parts.prefaulter is not None and parts.prefaulter.enabled:
+        # faulted in before register_plugin returned, not under the transfer
+        assert (parts.prefaulter.pending, parts.prefaulter.populated) == (0, 128 * 2**20)
     x = c.submit(np.full, 2**20, 1.0, workers=[a.address], pure=False)  # 8 MiB
     assert await c.submit(checksum, x, workers=[b.address]) == 2**20
     assert b.plugins["hoplite-worker"].stats["keys-received"] == 1

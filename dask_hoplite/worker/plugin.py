@@ -62,6 +62,10 @@ from dask_hoplite.worker.timelines import Timelines
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a worker's setup waits at most for its reserve of receive memory
+#: to be faulted in (about 0.3 s per 256 MiB on a slow virtual machine).
+RESERVE_WAIT = 10.0
+
 _TRIM_CALLBACK = "hoplite-pool-trim"
 
 
@@ -204,6 +208,21 @@ class HopliteWorker(WorkerPlugin):
             )
         except Exception as e:  # an older scheduler part: it finds out by itself
             logger.warning("could not tell the scheduler the features of %s: %s", worker.address, e)
+        parts = self._parts
+        # The worker takes no task before its setup returns, and
+        # client.register_plugin returns once every worker's has: the
+        # reserve of receive memory (hoplite.buffer-pool-reserve) is faulted
+        # in before the first transfer can want it, not under it.
+        if (
+            parts is not None
+            and parts.prefaulter is not None
+            and not await parts.prefaulter.settled(RESERVE_WAIT)
+        ):
+            logger.info(
+                "%s: receive memory still being faulted in after %.0f s; going on",
+                worker.address,
+                RESERVE_WAIT,
+            )
 
     def _install(self, worker: Worker, features: FeatureSet) -> None:
         """Build the components and install the overrides of the features on."""

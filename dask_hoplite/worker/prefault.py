@@ -13,6 +13,7 @@ itself off and the kernel faults pages in at first touch as before.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -21,6 +22,7 @@ import os
 import queue
 import sys
 import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class Prefaulter:
         self._fn = _madvise()
         self.enabled = self._fn is not None
         self.populated = 0
+        #: Bytes submitted and not yet populated (nor given up on).
+        self.pending = 0
         self._queue: queue.SimpleQueue[mmap.mmap | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -69,7 +73,18 @@ class Prefaulter:
                     target=self._run, name="hoplite-prefault", daemon=True
                 )
                 self._thread.start()
+            self.pending += len(region)
         self._queue.put(region)
+
+    async def settled(self, timeout: float) -> bool:
+        """Wait, without blocking the event loop, until every region submitted
+        so far is populated, for at most ``timeout`` seconds; whether it was."""
+        deadline = time.monotonic() + timeout
+        while self.pending > 0:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     def close(self) -> None:
         with self._lock:
@@ -83,8 +98,13 @@ class Prefaulter:
             region = self._queue.get()
             if region is None:
                 return
-            with contextlib.suppress(ValueError, TypeError):  # closed under us
-                self._populate(region)
+            size = len(region)
+            try:
+                with contextlib.suppress(ValueError, TypeError):  # closed under us
+                    self._populate(region)
+            finally:
+                with self._lock:
+                    self.pending -= size
 
     def _populate(self, region: mmap.mmap) -> None:
         assert self._fn is not None
