@@ -11,7 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_hoplite.core.buffer_pool import AUTO_RESERVE_MAX, AUTO_RESERVE_MIN, auto_reserve
+from dask_hoplite.core.buffer_pool import (
+    AUTO_RESERVE_MAX,
+    AUTO_RESERVE_MIN,
+    ReserveExtents,
+    auto_reserve,
+)
 from dask_hoplite.core.store import (
     BlockStore,
     BufferPool,
@@ -315,21 +320,61 @@ def test_partial_copy_adopts_a_local_recomputation_and_its_readers_carry_on():
 
 def test_reserved_memory_serves_the_first_objects_and_stays():
     """A worker's reserve (hoplite.buffer-pool-reserve) is mapped up front:
-    the first objects of any size up to it reuse it instead of fresh memory,
-    and neither the pool's capacity nor trimming gives it back."""
+    objects take extents of it, smallest free extent first, until it is full;
+    then fresh memory. Extents come back merged, and neither the pool's
+    capacity nor trimming gives the reserve back."""
+    mib = 2**20
     fresh: list[int] = []
     pool = BufferPool(capacity=0, on_fresh=lambda region: fresh.append(len(region)))
-    pool.reserve(40 * 2**20, regions=2)
-    assert fresh == [40 * 2**20] * 2  # handed to the prefaulter at once
-    a = pool.allocate(33 * 2**20)  # larger than 1.25x would allow
-    b = pool.allocate(2 * 2**20)
-    assert (pool.reused, pool.allocated) == (2, 0)
-    c = pool.allocate(2 * 2**20)  # the reserve is lent out: fresh memory
-    assert pool.allocated == 1 and fresh[-1] == 2 * 2**20
-    del a, b, c
+    pool.reserve(40 * mib, regions=2)
+    assert fresh == [40 * mib] * 2  # handed to the prefaulter at once
+    a = pool.allocate(33 * mib)
+    b = pool.allocate(2 * mib)  # into the 7 MiB a left, not the other region
+    c = pool.allocate(40 * mib)  # the other region, whole
+    d = pool.allocate(5 * mib)  # the last 5 MiB of the first
+    assert (pool.reused, pool.allocated, pool.idle_bytes) == (4, 0, 0)
+    assert not any(np.shares_memory(x, y) for x, y in [(a, b), (a, c), (b, d), (c, d)])
+    e = pool.allocate(1 * mib)  # the reserve is full: fresh memory
+    assert pool.allocated == 1 and fresh[-1] == mib
+    del a, d, e
+    gc.collect()
+    assert pool.idle_bytes == 38 * mib  # 33 + 5 of the reserve; the fresh MiB dropped (capacity 0)
+    f = pool.allocate(35 * mib)  # does not fit the 33 and the 5 apart
+    assert pool.allocated == 2
+    del b, f
+    gc.collect()
+    g = pool.allocate(40 * mib)  # a, b and d merged back into one extent
+    assert (pool.reused, pool.allocated) == (5, 2)
+    del c, g
     gc.collect()
     assert pool.trim(0.0, now=time.monotonic() + 1e6) == 0
-    assert pool.idle_bytes == 80 * 2**20  # capacity 0 dropped only the fresh region
+    assert pool.idle_bytes == 80 * mib
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12)), max_size=40))
+def test_reserve_extents_never_overlap_and_merge_back_whole(ops):
+    """Any sequence of takes and gives of a reserved region: the extents
+    taken and the free ones partition the region, and once everything is
+    given back the region is one free extent again."""
+    region = ReserveExtents(16)
+    taken: dict[int, int] = {}
+    for give, size in ops:
+        if give and taken:
+            offset = sorted(taken)[size % len(taken)]
+            region.give(offset, taken.pop(offset))
+        elif region.smallest_fit(size) is not None:
+            offset = region.take(size)
+            taken[offset] = size
+        spans = sorted([*taken.items(), *region.free])
+        assert spans[0][0] == 0 and sum(n for _, n in spans) == 16
+        assert all(o1 + n1 == o2 for (o1, n1), (o2, _) in zip(spans, spans[1:], strict=False))
+        assert all(
+            o1 + n1 < o2 for (o1, n1), (o2, _) in zip(region.free, region.free[1:], strict=False)
+        )
+    for offset, size in list(taken.items()):
+        region.give(offset, size)
+    assert region.free == [(0, 16)]
 
 
 def test_the_automatic_reserve_is_a_sixteenth_of_the_memory_limit_within_its_bounds():

@@ -7,6 +7,7 @@ here; a worker trims idle regions periodically (``hoplite.buffer-pool-idle``).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import mmap
@@ -77,45 +78,59 @@ class BufferPool:
         self._lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
-        #: ids of the regions mapped by :meth:`reserve`: kept for ever, and
-        #: lent to objects smaller than themselves.
-        self._reserve: set[int] = set()
+        #: The regions mapped by :meth:`reserve`, kept for ever and carved
+        #: into extents: each one's free extents, (offset, length) sorted by
+        #: offset, adjacent ones merged (:class:`ReserveExtents`).
+        self._reserve: list[tuple[mmap.mmap, ReserveExtents]] = []
+        #: Extents whose handle died, not yet merged back (as ``_returned``).
+        self._returned_extents: collections.deque[tuple[ReserveExtents, int, int]] = (
+            collections.deque()
+        )
 
     @property
     def idle_bytes(self) -> int:
+        """Bytes mapped and lent to nobody: idle regions and the reserve's
+        free extents."""
         with self._lock:
             self._file_returned()
-            return sum(len(r) for r in self._idle)
+            free = sum(extents.free_bytes for _, extents in self._reserve)
+            return sum(len(r) for r in self._idle) + free
 
     def reserve(self, nbytes: int, regions: int = 1) -> None:
-        """Map ``regions`` idle regions of ``nbytes`` each ahead of need (the
+        """Map ``regions`` regions of ``nbytes`` each ahead of need (the
         ``on_fresh`` hook faults them in in the background), so that the
         first transfers of a fresh worker find warm memory. A reserved region
-        is never trimmed or evicted, and serves any object up to its size
-        (the rest of it idles meanwhile)."""
+        is never trimmed or evicted; objects take whole-MiB extents of it,
+        smallest free extent that fits first, and give them back when they
+        die (so a 256 MiB reserve holds two 128 MiB objects at once, or one
+        of 256 MiB)."""
         size = -(-nbytes // self.GRANULE) * self.GRANULE
         for _ in range(regions if size > 0 else 0):
             region = self._map(size)
             with self._lock:
-                self._reserve.add(id(region))
-                self._idle.append(region)
+                self._reserve.append((region, ReserveExtents(size)))
 
     def allocate(self, nbytes: int) -> np.ndarray:
-        """An uninitialised byte array of exactly ``nbytes``."""
+        """An uninitialised byte array of exactly ``nbytes``: an extent of
+        the reserve where one is free, else an idle region of about the
+        size, else freshly mapped memory."""
         if nbytes < self.GRANULE:
             return np.empty(nbytes, dtype=np.uint8)
         size = -(-nbytes // self.GRANULE) * self.GRANULE
         region = None
+        offset = 0
+        extents = None
         with self._lock:
             self._file_returned()
-            fits = [
-                i
-                for i, r in enumerate(self._idle)
-                if size <= len(r) <= size + size // 4 or (id(r) in self._reserve and size <= len(r))
-            ]
-            if fits:
-                region = self._idle.pop(min(fits, key=lambda i: len(self._idle[i])))
-                self._since.pop(id(region), None)
+            carved = self._carve(size)
+            if carved is not None:
+                region, extents, offset = carved
+            else:
+                fits = [i for i, r in enumerate(self._idle) if size <= len(r) <= size + size // 4]
+                if fits:
+                    region = self._idle.pop(min(fits, key=lambda i: len(self._idle[i])))
+                    self._since.pop(id(region), None)
+            if region is not None:
                 self.reused += 1
         if region is None:
             # Anonymous mmap, not np.empty: numpy advises huge pages for large
@@ -132,9 +147,25 @@ class BufferPool:
         # of an ndarray over the mmap would not do: its base collapses to the
         # mmap itself, which consumers such as Dask's deserialisation then
         # export directly, and the region would be reused under them.)
-        handle = (ctypes.c_char * nbytes).from_buffer(region)
-        weakref.finalize(handle, self._give_back, region)
+        handle = (ctypes.c_char * nbytes).from_buffer(region, offset)
+        if extents is None:
+            weakref.finalize(handle, self._give_back, region)
+        else:
+            weakref.finalize(handle, self._give_back_extent, extents, offset, size)
         return np.frombuffer(handle, dtype=np.uint8)  # type: ignore[call-overload]
+
+    def _carve(self, size: int) -> tuple[mmap.mmap, ReserveExtents, int] | None:
+        """The smallest free extent of the reserve that holds ``size`` bytes,
+        taken (called with ``_lock`` held)."""
+        best = None
+        for region, extents in self._reserve:
+            length = extents.smallest_fit(size)
+            if length is not None and (best is None or length < best[0]):
+                best = (length, region, extents)
+        if best is None:
+            return None
+        _, region, extents = best
+        return region, extents, extents.take(size)
 
     def _map(self, size: int) -> mmap.mmap:
         """A fresh region, handed to ``on_fresh``."""
@@ -153,17 +184,30 @@ class BufferPool:
             finally:
                 self._lock.release()
 
+    def _give_back_extent(self, extents: ReserveExtents, offset: int, size: int) -> None:
+        # A finalizer, as ``_give_back``: no lock.
+        self._returned_extents.append((extents, offset, size))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._file_returned()
+            finally:
+                self._lock.release()
+
     def _file_returned(self) -> None:
-        """Move returned regions into the idle list and unmap the oldest idle
-        regions beyond ``capacity``. Called with ``_lock`` held; only filing
-        adds idle regions, so with nothing returned there is nothing to do."""
+        """Merge returned extents back into the reserve, move returned
+        regions into the idle list and unmap the oldest idle regions beyond
+        ``capacity``. Called with ``_lock`` held; only filing adds idle
+        regions, so with nothing returned there is nothing to do."""
+        while self._returned_extents:
+            extents, offset, size = self._returned_extents.popleft()
+            extents.give(offset, size)
         if not self._returned:
             return
         while self._returned:
             region, since = self._returned.popleft()
             self._idle.append(region)
             self._since[id(region)] = since
-        evictable = [r for r in self._idle if id(r) not in self._reserve]
+        evictable = self._idle
         total = sum(len(r) for r in evictable)
         for old in evictable:  # oldest first
             if total <= self.capacity:
@@ -182,7 +226,7 @@ class BufferPool:
             self._file_returned()
             keep = []
             for r in self._idle:
-                if id(r) not in self._reserve and now - self._since.get(id(r), now) > max_idle:
+                if now - self._since.get(id(r), now) > max_idle:
                     self._since.pop(id(r), None)
                     freed += len(r)
                 else:
@@ -193,6 +237,54 @@ class BufferPool:
     def clear(self) -> None:
         with self._lock:
             self._returned.clear()
+            self._returned_extents.clear()
             self._idle.clear()
             self._since.clear()
             self._reserve.clear()
+
+
+class ReserveExtents:
+    """The free extents of one reserved region: (offset, length) pairs,
+    sorted by offset, no two adjacent (a returned extent merges with its free
+    neighbours, so the region's free bytes are as few extents as they can
+    be). Bookkeeping only, the bytes are the pool's."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.free: list[tuple[int, int]] = [(0, size)]
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(length for _, length in self.free)
+
+    def smallest_fit(self, size: int) -> int | None:
+        """The length of the smallest free extent of at least ``size``."""
+        lengths = [length for _, length in self.free if length >= size]
+        return min(lengths) if lengths else None
+
+    def take(self, size: int) -> int:
+        """Take ``size`` bytes from the front of the smallest free extent
+        that holds them; their offset."""
+        i = min(
+            (i for i, (_, length) in enumerate(self.free) if length >= size),
+            key=lambda i: self.free[i][1],
+        )
+        offset, length = self.free[i]
+        if length == size:
+            del self.free[i]
+        else:
+            self.free[i] = (offset + size, length - size)
+        return offset
+
+    def give(self, offset: int, size: int) -> None:
+        """Give back ``size`` bytes at ``offset`` (taken before), merged with
+        the free extents either side."""
+        i = bisect.bisect(self.free, (offset, 0))
+        if i > 0 and sum(self.free[i - 1]) == offset:  # the one before ends here
+            i -= 1
+            offset, size = self.free[i][0], self.free[i][1] + size
+            del self.free[i]
+        if i < len(self.free) and self.free[i][0] == offset + size:  # the next starts here
+            size += self.free[i][1]
+            del self.free[i]
+        self.free.insert(i, (offset, size))
