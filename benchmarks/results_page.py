@@ -65,13 +65,13 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         "Broadcast",
         "transparent broadcast, 256 MiB",
-        "tails-2026-12-03/bcast-n8-1.json",
+        "tails-2026-12-04/page-bcast8.json",
         "hoplite",
         "dask",
-        BROADCAST_CMD.replace("--workers 8", "--workers 9")
-        + " --methods dask hoplite --reps 10 --timelines",
-        "one consumer task pinned to each of 8 other hosts; defaults; the first of three fresh "
-        "clusters (cold 3.11, 2.52, 2.34; p90 1.22, 1.17, 1.17); 2026-12-03",
+        BROADCAST_CMD.replace("--workers 8", "--workers 9") + " --methods dask hoplite --reps 10",
+        "one consumer task pinned to each of 8 other hosts; defaults (a 256 MiB reserve of "
+        "receive memory per worker); three more fresh clusters without Dask: cold 1.08, 1.09, "
+        "1.08, p90 1.17, 1.15, 1.16, max 1.24, 1.22, 1.16; 2026-12-04",
     ),
     Figure(
         "Broadcast",
@@ -95,12 +95,13 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         "Reduce",
         "dh.reduce (sum), 256 MiB",
-        "tails-2026-12-03/reduce-n8-1.json",
+        "tails-2026-12-04/page-reduce8.json",
         "hoplite",
         "dask-task",
         REDUCE_CMD + " --methods hoplite dask-task --reps 10",
-        "one input per host; Dask: one task on one worker; defaults; the first of three fresh "
-        "clusters (cold 2.56, 2.76, 2.78; p90 1.24, 1.25, 1.26); 2026-12-03",
+        "one input per host; Dask: one task on one worker; defaults; three more fresh "
+        "clusters without Dask: cold 1.12, 1.09, 1.09, p90 1.17, 1.17, 1.15, max 1.22, 1.21, "
+        "1.23; 2026-12-04",
     ),
     Figure(
         "Reduce",
@@ -282,13 +283,14 @@ def applications_table(src: Source = APPLICATIONS) -> list[str]:
 
 #: The applications' steps against their bound.
 APPLICATION_STEPS = Source(
-    "applications-2026-12-03/apps-1-steps.json",
+    "applications-2026-12-04/apps-2-steps.json",
     "python benchmarks/applications.py --workers 8 --rate-mbit 1000 --sleep --only ensemble SGD RL",
     "N = 8 hosts, 1 Gbit/s; the warm steps of one run (all but the first: 6 queries, 9 "
     "updates, 7 iterations), as ratios to the step's bound, the compute on its critical "
     "path (each task's measured single-core time, slept where the table above says so, an "
     "update included) plus each collective's bytes over one NIC; the models as dicts of "
-    "arrays; 2026-12-03, 0-1% CPU steal",
+    "arrays; defaults (a 256 MiB reserve of receive memory per worker); 2026-12-04, 0-1% "
+    "CPU steal",
 )
 
 
