@@ -207,9 +207,8 @@ class BufferPool:
             region, since = self._returned.popleft()
             self._idle.append(region)
             self._since[id(region)] = since
-        evictable = self._idle
-        total = sum(len(r) for r in evictable)
-        for old in evictable:  # oldest first
+        total = sum(len(r) for r in self._idle)
+        for old in list(self._idle):  # oldest first
             if total <= self.capacity:
                 break
             self._idle.remove(old)
@@ -259,22 +258,25 @@ class ReserveExtents:
 
     def smallest_fit(self, size: int) -> int | None:
         """The length of the smallest free extent of at least ``size``."""
-        lengths = [length for _, length in self.free if length >= size]
-        return min(lengths) if lengths else None
+        i = self._smallest(size)
+        return None if i is None else self.free[i][1]
 
     def take(self, size: int) -> int:
         """Take ``size`` bytes from the front of the smallest free extent
-        that holds them; their offset."""
-        i = min(
-            (i for i, (_, length) in enumerate(self.free) if length >= size),
-            key=lambda i: self.free[i][1],
-        )
+        that holds them (there must be one); their offset."""
+        i = self._smallest(size)
+        assert i is not None, f"no free extent of {size} bytes"
         offset, length = self.free[i]
         if length == size:
             del self.free[i]
         else:
             self.free[i] = (offset + size, length - size)
         return offset
+
+    def _smallest(self, size: int) -> int | None:
+        """The index of the smallest free extent of at least ``size``."""
+        fits = [i for i, (_, length) in enumerate(self.free) if length >= size]
+        return min(fits, key=lambda i: self.free[i][1]) if fits else None
 
     def give(self, offset: int, size: int) -> None:
         """Give back ``size`` bytes at ``offset`` (taken before), merged with
