@@ -297,15 +297,11 @@ APPLICATION_STEPS = Source(
 
 def application_steps_table(src: Source = APPLICATION_STEPS) -> list[str]:
     rows = src.load()
-    # Runs before 2026-12-04's second half kept no max and no cold step.
-    full = all(len(r) >= 10 for r in rows)
-    names = ["application", "bound", "p50", "p90", "Dask p50", "Dask p90", "the bound"]
-    if full:
-        names[2:4] = ["cold", "p50", "p90", "max"]
-    out = header(*names)
-    for name, bound, p50, p90, d50, d90, _, how, *rest in rows:
-        ours = [p50, p90] if not full else [rest[1], p50, p90, rest[0]]
-        cells = " | ".join(f"{x:.2f}x" for x in [*ours, d50, d90])
+    out = header(
+        "application", "bound", "cold", "p50", "p90", "max", "Dask p50", "Dask p90", "the bound"
+    )
+    for name, bound, p50, p90, d50, d90, _, how, top, cold in rows:
+        cells = " | ".join(f"{x:.2f}x" for x in (cold, p50, p90, top, d50, d90))
         out.append(f"| {name} | {bound:.2f} s | {cells} | {how} |")
     p50s = {r[0]: r[6] for r in rows}
     a, s = p50s.get("async SGD (k=6 of 8)"), p50s.get("sync SGD (k=8 of 8)")
