@@ -121,12 +121,14 @@ def _partials(dask_worker):
 @pytest.mark.slow
 def test_a_participant_killed_mid_tree_is_replaced_by_a_ready_spare():
     """k = 3 of 4 inputs, each on its own worker process; the three first
-    ready are chosen and the fourth is ready too. Once the root holds a
-    partial result, the worker holding a chosen input (not the root's) is
-    killed: that input was scattered, so no copy of it is left and Dask
-    cannot compute it again. The tree restarts with the spare in its place:
-    the result is the sum of the inputs reduced_inputs names, which holds
-    the spare and not the lost input."""
+    ready are chosen and the fourth is ready too. Once the plan is made, the
+    worker holding a chosen input (not the root's) is stopped, so that its
+    node cannot finish; once the root holds a partial result, it is killed:
+    that input was scattered, so no copy of it is left and Dask cannot
+    compute it again. The tree restarts with the spare in its place: the
+    result is the sum of the inputs reduced_inputs names, which holds the
+    spare and not the lost input, also while the worker that replaces the
+    dead one is still registering."""
     with process_workers(4) as (cluster, c):
         ws = worker_addresses(c)
         n = 2**25  # 256 MiB of float64 per input
@@ -140,15 +142,18 @@ def test_a_participant_killed_mid_tree_is_replaced_by_a_ready_spare():
         spare = c.submit(np.full, n, 10.0, workers=[ws[3]], pure=False)
         wait(spare)
         values[spare.key] = 10.0
+        victim = chosen[2]  # on ws[2], a node of the tree, not its root
+        pid = c.run(os.getpid, workers=[ws[2]])[ws[2]]
         total = dh.reduce([*chosen, spare], "sum", k=3, to=ws[0], parts=1)
         plan = getattr(total, INPUTS_ATTR).result()
+        # Frozen before its 256 MiB can have reached its parent (the plan
+        # only just finished): its node stays unfinished until it dies.
+        os.kill(pid, signal.SIGSTOP)
         assert list(plan["spares"]) == [spare.key], plan["chosen"]
         t0 = time.monotonic()
         while not c.run(_partials, workers=[ws[0]])[ws[0]]:
             assert time.monotonic() - t0 < 60 and not total.done()
             time.sleep(0.005)
-        victim = chosen[2]  # on ws[2], a node of the tree, not its root
-        pid = c.run(os.getpid, workers=[ws[2]])[ws[2]]
         os.kill(pid, signal.SIGKILL)
         result = total.result(timeout=120)
         used = dh.reduced_inputs(total)

@@ -60,7 +60,7 @@ from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.allreduce_outputs import output_keys
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_plan import PlanRequest
-from dask_hoplite.scheduler.client import METADATA_KEY
+from dask_hoplite.scheduler.client import SCHEDULER_PART_KEY
 from dask_hoplite.worker import tasks
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,10 @@ def reduced_inputs(result: Future) -> Any:
 async def _reduced_inputs(plan: Future, result: Future) -> list[Any]:
     keys = list((await plan)["chosen"])
     client = result.client
-    if await client.scheduler.get_metadata(keys=[METADATA_KEY], default=None) is None:
+    # Asked of the scheduler part itself, not of whether the collectives run
+    # on every worker: while a worker that replaced a dead one registers its
+    # part, the collectives are off, yet the swaps made before are recorded.
+    if await client.scheduler.get_metadata(keys=[SCHEDULER_PART_KEY], default=None) is None:
         return keys  # Dask alone: the chosen inputs are reduced as they are
     await until_done(result)
     swaps = dict(map(tuple, await client.scheduler.hoplite_reduced_inputs(key=result.key)))

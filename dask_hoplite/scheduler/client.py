@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 #: dask-hoplite is not registered, or some worker runs without its
 #: collectives, e.g. a mixed cluster; see ``Hoplite._publish``).
 METADATA_KEY = "dask-hoplite"
+#: The scheduler's metadata entry that holds the scheduler part's version
+#: while it is installed, whatever the workers run: its records (e.g. which
+#: spares a reduction used) can be asked then, even while a restarted worker
+#: has not yet reported its part and :data:`METADATA_KEY` says None.
+SCHEDULER_PART_KEY = "dask-hoplite-scheduler"
 #: How long a client trusts its last look at whether the plugin is registered.
 REGISTERED_TTL = 5.0
 

@@ -44,7 +44,7 @@ from dask_hoplite.features import (
 from dask_hoplite.patching import Override
 from dask_hoplite.scheduler.amm import StreamDropGuard
 from dask_hoplite.scheduler.cancellation import CollectiveCancels
-from dask_hoplite.scheduler.client import METADATA_KEY
+from dask_hoplite.scheduler.client import METADATA_KEY, SCHEDULER_PART_KEY
 from dask_hoplite.scheduler.collective_log import CollectiveLog
 from dask_hoplite.scheduler.directory_service import DirectoryService
 from dask_hoplite.scheduler.first_ready import FirstReady
@@ -149,7 +149,8 @@ class Hoplite(SchedulerPlugin):
 
     def _build(self, s: Scheduler, config: HopliteConfig, previous: Hoplite | None) -> None:
         """The services, overrides and handler table; the directory, network
-        model, parked requests and replicate pins of ``previous`` if given."""
+        model, parked requests, replicate pins and spares records of
+        ``previous`` if given."""
         if previous is not None:
             self.directory, self.network = previous.directory, previous.network
             self.collectives = previous.collectives
@@ -169,7 +170,11 @@ class Hoplite(SchedulerPlugin):
         self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)
         self.first_ready = first_ready = FirstReady(s.tasks.get, network)
-        self.spares_used = spares_used = SparesUsed()
+        if previous is not None and previous.spares_used is not None:
+            self.spares_used = previous.spares_used
+        if self.spares_used is None:
+            self.spares_used = SparesUsed()
+        spares_used = self.spares_used
         if COLLECTIVES in self.features:
             self.cancels = CollectiveCancels(functools.partial(_send_to_worker, s))
         self.replicator = ReplicateOverride(config, pins)
@@ -210,6 +215,7 @@ class Hoplite(SchedulerPlugin):
             _registry(s, name)[name] = handler
         for override in self.overrides:
             override.install(s)
+        s.set_metadata(keys=[SCHEDULER_PART_KEY], value=__version__)
         if self.series is not None and DASHBOARD in self.features:
             SCHEDULER_SERIES.add(self.series)
         if self.peers is not None:
@@ -248,6 +254,7 @@ class Hoplite(SchedulerPlugin):
         for override in reversed(self.overrides):
             override.restore()
         s.set_metadata(keys=[METADATA_KEY], value=None)
+        s.set_metadata(keys=[SCHEDULER_PART_KEY], value=None)
 
     async def _register_worker_part(self, scheduler: Scheduler) -> None:
         responses = await scheduler.register_worker_plugin(
