@@ -283,15 +283,17 @@ def applications_table(src: Source = APPLICATIONS) -> list[str]:
 
 #: The applications' steps against their bound.
 APPLICATION_STEPS = Source(
-    "applications-2026-12-04/apps-5-steps.json",
+    "applications-2026-12-04/apps-6-steps.json",
     "python benchmarks/applications.py --workers 8 --rate-mbit 1000 --sleep --only ensemble SGD RL",
     "N = 8 hosts, 1 Gbit/s; the cold first step and the p50, p90 and max of the 10 warm "
     "steps of one run (queries, updates, iterations), as ratios to the step's bound, the "
     "compute on its critical path (each task's measured single-core time, slept where the "
     "table above says so, an update included) plus each collective's bytes over one NIC; "
     "the models as dicts of arrays; defaults (a 256 MiB reserve of receive memory per "
-    "worker); 2026-12-04, 0-1% CPU steal; the run before it (`apps-4`) gave 1.22x, 1.22x "
-    "and 1.07x, the one before that (`apps-3`, on a slower machine) 1.28x, 1.60x and 1.03x",
+    "worker); 2026-12-04, 0-1% CPU steal; the parameter server's loss on its own copies of "
+    "the shards and its gradient stand-in mapping its zeros (`6e75fa5`); the two runs "
+    "before that change (`apps-4`, `apps-5`) gave p50 1.22x and 1.14x, 1.22x and 1.25x, "
+    "1.07x and 1.17x, with single steps up to 1.67x",
 )
 
 
