@@ -154,8 +154,11 @@ class Hoplite(SchedulerPlugin):
         if previous is not None:
             self.directory, self.network = previous.directory, previous.network
             self.collectives = previous.collectives
+            self.spares_used = previous.spares_used
         if self.collectives is None:
             self.collectives = CollectiveLog()
+        if self.spares_used is None:
+            self.spares_used = SparesUsed()
         if self.directory is None:  # (not `or`: an empty directory is falsy)
             self.directory = ObjectDirectory(fanout=config.fanout)
         if self.network is None:
@@ -170,10 +173,6 @@ class Hoplite(SchedulerPlugin):
         self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)
         self.first_ready = first_ready = FirstReady(s.tasks.get, network)
-        if previous is not None and previous.spares_used is not None:
-            self.spares_used = previous.spares_used
-        if self.spares_used is None:
-            self.spares_used = SparesUsed()
         spares_used = self.spares_used
         if COLLECTIVES in self.features:
             self.cancels = CollectiveCancels(functools.partial(_send_to_worker, s))
