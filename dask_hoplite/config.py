@@ -90,6 +90,7 @@ class HopliteConfig:
     """A validated snapshot of the ``hoplite`` config section."""
 
     min_bytes: int
+    measure_unsized: bool
     block_bytes: int
     min_block_bytes: int
     min_blocks: int
@@ -155,6 +156,7 @@ class HopliteConfig:
             raise ValueError(f"hoplite.array.max-inputs must be >= 2, got {max_inputs}")
         return cls(
             min_bytes=_bytes("min-bytes"),
+            measure_unsized=bool(_get("measure-unsized")),
             block_bytes=block,
             min_block_bytes=min_block,
             min_blocks=min_blocks,

@@ -19,6 +19,7 @@ def test_defaults_are_loaded_and_documented():
     text = open(os.path.join(os.path.dirname(dask_hoplite.__file__), "hoplite.yaml")).read()
     for key in [
         "min-bytes",
+        "measure-unsized",
         "block-bytes",
         "min-block-bytes",
         "min-blocks",

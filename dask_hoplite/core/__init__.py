@@ -3,6 +3,8 @@ events, returning decisions, with no sockets and no event loop inside.
 
 * :mod:`~dask_hoplite.core.directory`: who holds which key, who streams from whom;
 * :mod:`~dask_hoplite.core.hosts`: which host a worker runs on;
+* :mod:`~dask_hoplite.core.measured_sizes`: objects whose ``sizeof`` Dask gets wrong,
+  and the serialised sizes measured instead;
 * :mod:`~dask_hoplite.core.split_trees`: a split-tree broadcast's trees, one per part;
 * :mod:`~dask_hoplite.core.byte_ranges`: a key received in byte ranges, one tree each;
 * :mod:`~dask_hoplite.core.object_parts`: cutting an object into parts and joining them;

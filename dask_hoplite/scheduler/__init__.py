@@ -5,6 +5,8 @@ only wires the rest into the scheduler and takes it out again:
 
 - :mod:`.directory_service`: the RPC shell around the sans-IO object directory
   (workers ask it whom to stream a large key from and report their transfers);
+- :mod:`.measured_sizes`: keys a worker measured larger than Dask's ``sizeof``,
+  and telling the workers whose tasks need them;
 - :mod:`.queries`: read-only RPCs reductions and collectives plan with;
 - :mod:`.client`: their other side, what workers and clients ask the scheduler part;
 - :mod:`.first_ready`: the first ``k`` of a reduction's inputs to be ready;

@@ -27,6 +27,7 @@ from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.byte_ranges import range_key
 from dask_hoplite.core.directory import Assign, Decision, Missing, ObjectDirectory, Queued
 from dask_hoplite.core.hosts import host_of
+from dask_hoplite.core.measured_sizes import MeasuredSizes
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.core.protocol import PROTOCOL_VERSION
 from dask_hoplite.core.shape_choice import choose_parts
@@ -55,7 +56,9 @@ def _decision_msg(d: Decision | None, nbytes: int) -> dict[str, Any]:
 class DirectoryService:
     """The directory's handlers and event inputs on the scheduler.
 
-    ``task`` looks a key up in the scheduler's task states (``scheduler.tasks.get``).
+    ``task`` looks a key up in the scheduler's task states (``scheduler.tasks.get``);
+    ``sizes``: the serialised sizes workers measured (a key's size is the
+    larger of that and Dask's estimate).
     ``waiting`` is the map of parked requests, shared with a previous service
     when a newly registered plugin takes over (their decisions still reach them).
     """
@@ -67,12 +70,15 @@ class DirectoryService:
         config: HopliteConfig,
         task: Callable[[Key], TaskState | None],
         waiting: Waiting | None = None,
+        sizes: MeasuredSizes | None = None,
     ) -> None:
         self.directory = directory
         self.network = network
         self.config = config
         self._task = task
         self.waiting: Waiting = {} if waiting is None else waiting
+        #: Serialised sizes workers measured where Dask's estimate is wrong.
+        self.sizes = MeasuredSizes() if sizes is None else sizes
         #: Answers to requests, by status ("assign", "missing", "small", "error").
         self.answers: Counter[str] = Counter()
         #: Finished transfers, by outcome ("ok", "failed").
@@ -120,7 +126,7 @@ class DirectoryService:
             # Not in memory anywhere (lost, being recomputed, or released):
             # the receiver's holders are stale; Dask finds the new copy.
             return {"status": "missing", "gone": True}
-        nbytes = ts.nbytes or 0
+        nbytes = self.sizes.size(key, ts.nbytes)
         if nbytes < self.config.min_bytes:
             return {"status": "small"}
         holders = self._holders(key)

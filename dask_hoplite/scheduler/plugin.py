@@ -28,6 +28,7 @@ from dask_hoplite.compat import (
 )
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.directory import ObjectDirectory
+from dask_hoplite.core.measured_sizes import MEASURED_OP, MeasuredSizes
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.dashboard.live import live_state
 from dask_hoplite.dashboard.page import DashboardRoutes
@@ -49,6 +50,7 @@ from dask_hoplite.scheduler.collective_log import CollectiveLog
 from dask_hoplite.scheduler.directory_service import DirectoryService
 from dask_hoplite.scheduler.first_ready import FirstReady
 from dask_hoplite.scheduler.graph_rewrite import GraphRewrite
+from dask_hoplite.scheduler.measured_sizes import MeasuredSizesService
 from dask_hoplite.scheduler.metrics import SCHEDULER_SERIES, SchedulerSource
 from dask_hoplite.scheduler.peers import Peers
 from dask_hoplite.scheduler.queries import SchedulerQueries
@@ -98,6 +100,7 @@ class Hoplite(SchedulerPlugin):
         self.directory: ObjectDirectory | None = None
         self.network: NetworkModel | None = None
         self.service: DirectoryService | None = None
+        self.sizes: MeasuredSizesService | None = None
         self.replicator: ReplicateOverride | None = None
         self.first_ready: FirstReady | None = None
         self.spares_used: SparesUsed | None = None
@@ -149,12 +152,15 @@ class Hoplite(SchedulerPlugin):
 
     def _build(self, s: Scheduler, config: HopliteConfig, previous: Hoplite | None) -> None:
         """The services, overrides and handler table; the directory, network
-        model, parked requests, replicate pins and spares records of
-        ``previous`` if given."""
+        model, parked requests, replicate pins, measured sizes and spares
+        records of ``previous`` if given."""
+        sizes = MeasuredSizes()
         if previous is not None:
             self.directory, self.network = previous.directory, previous.network
             self.collectives = previous.collectives
             self.spares_used = previous.spares_used
+            if previous.sizes is not None:
+                sizes = previous.sizes.sizes
         if self.collectives is None:
             self.collectives = CollectiveLog()
         if self.spares_used is None:
@@ -169,14 +175,18 @@ class Hoplite(SchedulerPlugin):
         network.fixed_latency = config.reduce_latency
         waiting = previous.service.waiting if previous and previous.service else None
         pins = previous.replicator.pins if previous and previous.replicator else None
-        self.service = service = DirectoryService(directory, network, config, s.tasks.get, waiting)
+        send = functools.partial(_send_to_worker, s)
+        self.sizes = MeasuredSizesService(sizes, s.tasks.get, send)
+        self.service = service = DirectoryService(
+            directory, network, config, s.tasks.get, waiting, sizes
+        )
         self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)
         self.first_ready = first_ready = FirstReady(s.tasks.get, network)
         spares_used = self.spares_used
         if COLLECTIVES in self.features:
-            self.cancels = CollectiveCancels(functools.partial(_send_to_worker, s))
-        self.replicator = ReplicateOverride(config, pins)
+            self.cancels = CollectiveCancels(send)
+        self.replicator = ReplicateOverride(config, pins, sizes)
         collectives = self.collectives
         self.peers = peers = Peers(self.features, self._outsider, self._publish)
         on = self.features
@@ -197,6 +207,7 @@ class Hoplite(SchedulerPlugin):
             "hoplite_plan_split": service.plan_split,
             "hoplite-finished": service.finished,
             "hoplite-released": service.released,
+            MEASURED_OP: self.sizes.measured,
             "hoplite-collective": self.collectives.finished,
             "hoplite_network": queries.network_estimate,
             "hoplite_locate": queries.locate,
@@ -277,6 +288,8 @@ class Hoplite(SchedulerPlugin):
     def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.service is not None:
             self.service.key_transitioned(key, start, finish, kwargs.get("worker"))
+        if self.sizes is not None:
+            self.sizes.key_transitioned(key, finish)
         if self.first_ready is not None:
             self.first_ready.key_transitioned(key, finish)
         if self.spares_used is not None:
@@ -293,6 +306,8 @@ class Hoplite(SchedulerPlugin):
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         if self.service is not None:
             self.service.worker_removed(worker)
+        if self.sizes is not None:
+            self.sizes.worker_removed(worker)
         if self.cancels is not None:
             self.cancels.worker_removed(worker)
         if self.peers is not None and self.scheduler is not None:

@@ -57,6 +57,7 @@ from dask.typing import Key
 from distributed.core import Status
 
 from dask_hoplite.config import HopliteConfig
+from dask_hoplite.core.measured_sizes import MeasuredSizes
 from dask_hoplite.patching import AttributePatch, ItemPatch
 
 if TYPE_CHECKING:
@@ -80,9 +81,14 @@ class ReplicateOverride:
     """
 
     def __init__(
-        self, config: HopliteConfig, pins: defaultdict[Key, set[str]] | None = None
+        self,
+        config: HopliteConfig,
+        pins: defaultdict[Key, set[str]] | None = None,
+        sizes: MeasuredSizes | None = None,
     ) -> None:
         self.config = config
+        #: Sizes workers measured where Dask's estimate is wrong.
+        self.sizes = MeasuredSizes() if sizes is None else sizes
         self.pins: defaultdict[Key, set[str]] = defaultdict(set) if pins is None else pins
         #: What ``install`` replaced: the scheduler's own ``replicate`` handler.
         self.original: Callable[..., Any] | None = None
@@ -130,7 +136,9 @@ class ReplicateOverride:
         if workers is not None:
             workers = list(workers)  # used twice below
         large = [
-            k for k in keys if k in s.tasks and (s.tasks[k].nbytes or 0) >= self.config.min_bytes
+            k
+            for k in keys
+            if k in s.tasks and self.sizes.size(k, s.tasks[k].nbytes) >= self.config.min_bytes
         ]
         large_set = set(large)
         small = [k for k in keys if k not in large_set]

@@ -6,6 +6,8 @@
 * :mod:`~dask_hoplite.worker.sender`: the ``hoplite_stream`` peer handler;
 * :mod:`~dask_hoplite.worker.streams`: the sender and receiver loops over ``distributed.comm``;
 * :mod:`~dask_hoplite.worker.partial_copies`: a copy's fate when Dask's state of its key changes;
+* :mod:`~dask_hoplite.worker.measuring`: results Dask cannot size, serialised once and
+  measured when their task finishes;
 * :mod:`~dask_hoplite.worker.prefault`: receive memory faulted in off the critical path;
 * :mod:`~dask_hoplite.worker.accounting`: hoplite's transfers in Dask's own bookkeeping;
 * :mod:`~dask_hoplite.worker.progress`: incoming streams' progress, in the heartbeat;

@@ -95,6 +95,10 @@ class WorkerContext:
     features: frozenset[str] = frozenset(FEATURES)
     #: Per-key timelines of fetches (``hoplite.timelines``; None: off).
     timelines: Timelines | None = None
+    #: Keys whose serialised size a worker measured (Dask's ``sizeof`` has
+    #: no rule for their type), by key: those computed here, and those a
+    #: task sent here needs (:mod:`dask_hoplite.worker.measuring`).
+    measured: dict[Key, int] = dataclasses.field(default_factory=dict)
 
     @property
     def accounting(self) -> bool:
@@ -149,9 +153,12 @@ class WorkerContext:
         return fut
 
     def is_large(self, key: Key) -> bool:
-        """Whether Dask's estimate of ``key``'s size reaches ``hoplite.min-bytes``."""
+        """Whether ``key``'s size reaches ``hoplite.min-bytes``: Dask's
+        estimate, or its serialised size where a worker measured it."""
         ts = self.worker.state.tasks.get(key)
-        return ts is not None and (ts.nbytes or 0) >= self.config.min_bytes
+        if ts is None:
+            return False
+        return max(ts.nbytes or 0, self.measured.get(key, 0)) >= self.config.min_bytes
 
     async def serialize(self, value: Any) -> tuple[dict[str, Any], list[Any]]:
         """``value`` as hoplite serves it: header and frames (zero-copy for

@@ -30,6 +30,7 @@ from dask_hoplite.compat import (
 )
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.buffer_pool import auto_reserve
+from dask_hoplite.core.measured_sizes import SIZES_OP
 from dask_hoplite.core.protocol import STREAM_OP
 from dask_hoplite.core.store import BlockStore, BufferPool
 from dask_hoplite.errors import NotRegistered, VersionMismatch
@@ -47,6 +48,7 @@ from dask_hoplite.patching import AttributePatch, ItemPatch
 from dask_hoplite.worker.aggregate import AggregateTakeover
 from dask_hoplite.worker.allreduce import Allreduce
 from dask_hoplite.worker.context import PLUGIN_NAME, WorkerContext
+from dask_hoplite.worker.measuring import SizeMeasuring
 from dask_hoplite.worker.metrics import WORKER_SERIES
 from dask_hoplite.worker.partial_copies import PartialCopies
 from dask_hoplite.worker.prefault import Prefaulter
@@ -77,6 +79,7 @@ class WorkerParts:
     receiver: Receiver
     fetch_paths: DaskFetchPaths
     partial_copies: PartialCopies
+    measuring: SizeMeasuring
     sender: Sender
     reductions: RunningReductions
     nodes: ReduceNodes
@@ -112,6 +115,7 @@ class WorkerParts:
             receiver=receiver,
             fetch_paths=DaskFetchPaths(ctx, receiver, worker.gather_dep, worker.handlers["gather"]),
             partial_copies=PartialCopies(ctx, receiver.is_fetching),
+            measuring=SizeMeasuring(ctx),
             sender=Sender(ctx, reductions),
             reductions=reductions,
             nodes=nodes,
@@ -235,6 +239,9 @@ class HopliteWorker(WorkerPlugin):
             )
         if FETCH in features:
             self._patches.append(AttributePatch(worker, "gather_dep", parts.fetch_paths.gather_dep))
+            self._patches.append(
+                ItemPatch(worker.stream_handlers, SIZES_OP, parts.measuring.learned)
+            )
         if REPLICATE in features:
             self._patches.append(ItemPatch(worker.handlers, "gather", parts.fetch_paths.gather))
         if GRAPH_REDUCTIONS in features:
@@ -295,12 +302,14 @@ class HopliteWorker(WorkerPlugin):
 
     def transition(self, key: Key, start: str, finish: str, **kwargs: Any) -> None:
         """Dask moved ``key`` on this worker: wake the small-allreduce requests
-        for it, and keep, complete or drop our copy of it."""
+        for it, keep, complete or drop our copy of it, and measure it if
+        Dask cannot size it."""
         p = self._parts
         if p is None:
             return
         p.small_allreduce.task_finished(key, finish)
         p.partial_copies.transition(key, finish)
+        p.measuring.transition(key, start, finish)
 
     # ------------------------------------------------------------ routing
 
