@@ -37,7 +37,7 @@ async def test_a_broadcast_is_in_the_transfer_logs_and_task_stream_of_every_rece
     bandwidth_before = [w.bandwidth for w in receivers]
     await c.get_task_stream(start=0, stop=0)  # start the Task Stream's plugin
     t0 = time()
-    copies = dh.broadcast(x, [w.address for w in receivers])
+    copies = await dh.broadcast(x, [w.address for w in receivers])
     await wait(copies)
     task_stream = await c.get_task_stream(start=t0)
 
@@ -86,7 +86,7 @@ async def test_hoplite_streams_are_in_the_fine_performance_metrics(c, s, a, b, d
     await c.register_plugin(Hoplite())
     x = c.submit(np.ones, MiB, dtype="f8", key="x", workers=[a.address])
     await wait(x)
-    await wait(dh.broadcast(x, [b.address, d.address]))
+    await wait(await dh.broadcast(x, [b.address, d.address]))
     for w in (b, d):
         # The receiver's gather-dep time, as network and deserialisation.
         labels = {k[1:] for k in w.digests_total if isinstance(k, tuple) and k[0] == "gather-dep"}
@@ -116,7 +116,7 @@ async def test_a_broadcast_is_on_the_metrics_pages_of_scheduler_and_workers(c, s
     src, *receivers = workers
     x = c.submit(np.ones, 4 * MiB, dtype="f8", key="x", workers=[src.address])  # 32 MiB
     await wait(x)
-    await wait(dh.broadcast(x, [w.address for w in receivers]))
+    await wait(await dh.broadcast(x, [w.address for w in receivers]))
 
     series = await fetch_metrics(s.http_server.port, prefix="dask_hoplite_")
 

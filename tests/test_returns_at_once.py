@@ -106,11 +106,13 @@ def test_collectives_return_before_their_inputs_on_an_asynchronous_client(size):
             total = dh.reduce(c, "sum")
             every = dh.allreduce(a, "sum")
             rows = dh.allgather(b)
-            copies = dh.broadcast(c[0], workers=ws)
-            split = dh.broadcast(c[1], workers=ws, parts=2)
+            copies = await dh.broadcast(c[0], workers=ws)
+            split = await dh.broadcast(c[1], workers=ws, parts=2)
+            every_worker = await dh.broadcast(c[2])  # the workers asked for
             assert not any(f.done() for f in a + b + c)
-            with pytest.raises(ValueError, match="asynchronous client needs workers="):
-                dh.broadcast(c[0])
+            assert [len(copies), len(split), len(every_worker)] == [len(ws)] * 3
+            with pytest.raises(ValueError, match="workers= is empty"):
+                dh.broadcast(c[0], workers=[])  # a bad argument fails at the call
             await Event(name, client=client).set()
 
             values = [np.full(size, float(i + 1)) for i in range(4)]
@@ -122,7 +124,13 @@ def test_collectives_return_before_their_inputs_on_an_asynchronous_client(size):
                 assert [x[0] for x in got] == [v[0] for v in values]
             assert [x[0] for x in await client.gather(copies)] == [1.0] * len(ws)
             assert [x[0] for x in await client.gather(split)] == [2.0] * len(ws)
-            who = await client.scheduler.who_has(keys=[f.key for f in every + rows])
+            assert [x[0] for x in await client.gather(every_worker)] == [3.0] * len(ws)
+            who = await client.scheduler.who_has(
+                keys=[f.key for f in every + rows + copies + every_worker]
+            )
+            # a copy on every named worker, and on every worker, in their order
+            assert [set(who[f.key]) for f in copies] == [{w} for w in ws]
+            assert [set(who[f.key]) for f in every_worker] == [{w} for w in ws]
             assert [set(who[f.key]) for f in every] == [{w} for w in placement(ws, 4)]
             assert [set(who[f.key]) for f in rows] == [{w} for w in placement(ws, 4)]
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import dask
@@ -184,9 +184,13 @@ async def _reduced_inputs(plan: Future, result: Future) -> list[Any]:
 
 def broadcast(
     future: Any, workers: Sequence[str] | None = None, parts: int | None = None
-) -> list[Future]:
+) -> list[Future] | Awaitable[list[Future]]:
     """One copy of ``future`` on each of ``workers`` (default: all), as futures
     in the order of ``workers``, returned at once.
+
+    On an asynchronous client it returns an awaitable of that list, as Dask's
+    own calls do there (``copies = await broadcast(x)``): without
+    ``workers``, it asks the scheduler for them first.
 
     ``parts`` (default ``hoplite.broadcast.parts``): above 1, the object is
     cut into that many parts, each broadcast down its own tree
@@ -197,25 +201,35 @@ def broadcast(
     one task per worker depends on the object, and the directory splits its
     bytes into ranges when the workers are many
     (``hoplite.broadcast.ranges``), with no copy to join them.
-
-    An asynchronous client cannot list the workers without waiting: there,
-    pass ``workers``.
     """
     cfg = HopliteConfig.from_dask_config()
     parts = _parts_arg("broadcast", parts, cfg.broadcast_parts)
     client = client_of([future])
     [f] = as_futures(client, [future])
+    if workers is not None:
+        workers = list(workers)
+        if not workers:
+            raise ValueError("broadcast needs at least one worker; workers= is empty")
+    if client.asynchronous:
+        return _broadcast_when_listed(client, f, workers, parts)
     if workers is None:
-        if client.asynchronous:
-            raise ValueError(
-                "broadcast on an asynchronous client needs workers=: the client cannot "
-                "list the workers without waiting; e.g. workers = list((await "
-                "client.scheduler.identity(n_workers=-1))['workers'])"
-            )
         workers = worker_addresses(client)
-    workers = list(workers)
+    return _broadcast_to(client, f, workers, parts)
+
+
+async def _broadcast_when_listed(
+    client: Any, f: Future, workers: list[str] | None, parts: int | None
+) -> list[Future]:
+    """``broadcast`` on an asynchronous client: the workers are listed first."""
+    if workers is None:
+        workers = sorted((await client.scheduler.identity(n_workers=-1))["workers"])
+    return _broadcast_to(client, f, workers, parts)
+
+
+def _broadcast_to(client: Any, f: Future, workers: list[str], parts: int | None) -> list[Future]:
+    """Submit the copies of ``f`` to ``workers`` (the cluster's, when empty: none)."""
     if not workers:
-        raise ValueError("broadcast needs at least one worker")
+        raise ValueError("broadcast needs at least one worker; the cluster has none")
     if parts is not None and parts > 1 and len(workers) > 2:
         return split_broadcast(client, f, workers, parts)
     # One graph: the directory sees every receiver waiting at the first
