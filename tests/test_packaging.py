@@ -10,7 +10,6 @@ import pathlib
 import re
 import sys
 
-import pytest
 import suite_imports
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -18,7 +17,10 @@ from packaging.version import Version
 import dask_hoplite
 from dask_hoplite.compat import TESTED_RANGE
 
-tomllib = pytest.importorskip("tomllib")
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser as a package (the test extra's tomli)
+    import tomli as tomllib
 
 ROOT = pathlib.Path(__file__).parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
