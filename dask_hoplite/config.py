@@ -101,6 +101,7 @@ class HopliteConfig:
     fanout: int
     queue_timeout: float
     protect_streams: bool
+    keep_while_needed: bool
     buffer_pool_bytes: int
     buffer_pool_idle: float
     prefault: bool
@@ -167,6 +168,7 @@ class HopliteConfig:
             fanout=fanout,
             queue_timeout=_seconds("directory.queue-timeout"),
             protect_streams=bool(_get("amm.protect-streams")),
+            keep_while_needed=bool(_get("amm.keep-while-needed")),
             buffer_pool_bytes=_bytes("buffer-pool-bytes"),
             buffer_pool_idle=_seconds("buffer-pool-idle"),
             prefault=bool(_get("prefault")),

@@ -8,7 +8,7 @@ import asyncio
 from collections import Counter
 
 import numpy as np
-from distributed import Worker, wait
+from distributed import Event, Worker, wait
 from distributed.utils_test import gen_cluster
 
 from dask_hoplite import Hoplite
@@ -227,6 +227,56 @@ async def test_amm_does_not_drop_replicas_under_an_active_stream(c, s, a, b, d):
         assert ts.who_has == {sender}
         plugin.directory.transfer_finished(decision.transfer_id, ok=False)
         del x
+
+
+def gated_checksum(x, gate):
+    Event(gate).wait()
+    return checksum(x)
+
+
+async def _replicas_while_a_task_waits(c, s, a, b, d) -> tuple[int, int]:
+    """x on a, fetched by a task on b (done) and one on d (held on an event):
+    how many replicas the AMM leaves while d's task waits, and after."""
+    await c.register_plugin(Hoplite())
+    amm = s.extensions["amm"]
+    x = c.submit(np.full, 100_000, 1.0, workers=[a.address])
+    await wait(x)
+    assert await c.submit(checksum, x, workers=[b.address]) == 100_000.0
+    waiting = c.submit(gated_checksum, x, "gate", workers=[d.address])
+    ts = s.tasks[x.key]
+    while len(ts.who_has) < 3:
+        await asyncio.sleep(0.01)
+    for _ in range(3):  # b's task is done: to Dask, b's copy is surplus now
+        amm.run_once()
+        await asyncio.sleep(0.05)
+    during = len(ts.who_has)
+    await Event("gate", client=c).set()
+    assert await waiting == 100_000.0
+    amm.run_once()
+    for _ in range(200):  # nothing needs x now: the AMM reclaims as usual
+        if len(ts.who_has) == 1:
+            break
+        await asyncio.sleep(0.01)
+        amm.run_once()
+    return during, len(ts.who_has)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)] * 3, config=SMALL)
+async def test_the_amm_keeps_every_replica_of_a_large_key_while_a_task_needs_it(c, s, a, b, d):
+    """A stolen task landing on b then finds x there, instead of fetching the
+    whole object again."""
+    assert await _replicas_while_a_task_waits(c, s, a, b, d) == (3, 1)
+
+
+@gen_cluster(
+    client=True, nthreads=[("", 1)] * 3, config={**SMALL, "hoplite.amm.keep-while-needed": False}
+)
+async def test_without_keep_while_needed_the_amm_drops_the_copies_no_waiting_task_is_on(
+    c, s, a, b, d
+):
+    """The counterpart: Dask's own policy keeps a copy where a task waits."""
+    during, after = await _replicas_while_a_task_waits(c, s, a, b, d)
+    assert during < 3 and after == 1
 
 
 @gen_cluster(client=True, nthreads=[("", 1)] * 3, config=SMALL)

@@ -28,6 +28,7 @@ def test_defaults_are_loaded_and_documented():
         "fanout",
         "queue-timeout",
         "protect-streams",
+        "keep-while-needed",
         "buffer-pool-bytes",
         "bandwidth",
         "latency",

@@ -8,6 +8,12 @@ AMM's ``_find_dropper`` (the one place every policy's drop goes through) so
 that such workers are never chosen; everything else is the AMM's own choice.
 Installed only with ``hoplite.amm.protect-streams`` (the default) and when the
 scheduler runs an AMM at all.
+
+:class:`NeededReplicas` is one more such source (``hoplite.amm.keep-while-needed``):
+every replica of a large key stays while tasks that need it have not
+finished. The AMM keeps one per worker whose tasks wait for the key; work
+stealing then moves a waiting task to an idle worker whose copy it had just
+dropped, which fetches the whole object again.
 """
 
 from __future__ import annotations
@@ -25,6 +31,28 @@ if TYPE_CHECKING:
     from distributed.scheduler import TaskState, WorkerState
 
 logger = logging.getLogger(__name__)
+
+
+class NeededReplicas:
+    """Pin source: the holders of a key of at least ``min_bytes`` (``size``:
+    the size to plan a key with, measured or Dask's) while some task that
+    needs it has not finished (``ts.waiters``)."""
+
+    def __init__(
+        self,
+        task: Callable[[Key], TaskState | None],
+        size: Callable[[Key, TaskState], int],
+        min_bytes: int,
+    ) -> None:
+        self._task = task
+        self._size = size
+        self._min_bytes = min_bytes
+
+    def __call__(self, key: Key) -> set[str]:
+        ts = self._task(key)
+        if ts is None or not ts.waiters or self._size(key, ts) < self._min_bytes:
+            return set()
+        return {ws.address for ws in ts.who_has or ()}
 
 
 class StreamDropGuard:

@@ -43,7 +43,7 @@ from dask_hoplite.features import (
     announce,
 )
 from dask_hoplite.patching import Override
-from dask_hoplite.scheduler.amm import StreamDropGuard
+from dask_hoplite.scheduler.amm import NeededReplicas, StreamDropGuard
 from dask_hoplite.scheduler.cancellation import CollectiveCancels
 from dask_hoplite.scheduler.client import METADATA_KEY, SCHEDULER_PART_KEY
 from dask_hoplite.scheduler.collective_log import CollectiveLog
@@ -176,7 +176,7 @@ class Hoplite(SchedulerPlugin):
         waiting = previous.service.waiting if previous and previous.service else None
         pins = previous.replicator.pins if previous and previous.replicator else None
         send = functools.partial(_send_to_worker, s)
-        self.sizes = MeasuredSizesService(sizes, s.tasks.get, send)
+        self.sizes = measured = MeasuredSizesService(sizes, s.tasks.get, send)
         self.service = service = DirectoryService(
             directory, network, config, s.tasks.get, waiting, sizes
         )
@@ -200,7 +200,13 @@ class Hoplite(SchedulerPlugin):
         if GRAPH_REDUCTIONS in on and (config.array_reductions or config.bag_reductions):
             self.overrides.append(GraphRewrite(config))
         if AMM_GUARD in on and config.protect_streams:
-            self.overrides.append(StreamDropGuard(directory.pinned, self.replicator.pinned))
+            sources: list[Callable[[Key], set[str]]] = [
+                directory.pinned,
+                self.replicator.pinned,
+            ]
+            if config.keep_while_needed:
+                sources.append(NeededReplicas(s.tasks.get, measured.size, config.min_bytes))
+            self.overrides.append(StreamDropGuard(*sources))
         self.handler_table = {
             "hoplite_request": service.request,
             "hoplite_info": service.info,
