@@ -39,6 +39,11 @@ from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
 from benchmarks import mpi_peers, timeline  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
+from benchmarks.objects import MAKERS, fingerprint  # noqa: E402
+
+#: The repository, on the workers' import path: tasks name the makers of
+#: ``benchmarks.objects`` by reference, and a result's class must import there.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: "hoplite": tasks on every receiver that share the dependency (the
 #: transparent path); "hoplite-collective": dask_hoplite.broadcast(x) with
@@ -63,20 +68,13 @@ class Result:
     workers_per_host: int = 1
     #: Bytes each worker host's NIC received in the last rep, in host order.
     host_rx_bytes: list[int] = field(default_factory=list)
+    #: What was broadcast (``benchmarks.objects.MAKERS``): "array", or
+    #: "wrapped" (a Python object around bytes, which Dask sizes at ~50 bytes).
+    obj: str = "array"
 
     @property
     def ratio_bound(self) -> float:
         return self.seconds / self.bound_seconds
-
-
-def make_array(nbytes: int, seed: int):
-    import numpy as np
-
-    return np.random.default_rng(seed).integers(0, 2**63, nbytes // 8, dtype=np.int64)
-
-
-def fingerprint(x) -> tuple[int, int]:
-    return int(x.nbytes), int(x[:: max(1, x.size // 4096)].sum())
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -99,12 +97,17 @@ def measure(
     reps: int,
     timeout: float,
     timelines: bool = False,
+    obj: str = "array",
 ) -> Result:
     from distributed import Client, wait
 
     import dask_hoplite
 
-    env = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    make = MAKERS[obj]
+    env = {
+        "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    }
     if timelines:
         env["DASK_HOPLITE__TIMELINES"] = "True"
     recorded: list[tuple[float, dict[str, Any]]] = []  # (wall start, timelines) per rep
@@ -127,7 +130,7 @@ def measure(
         # Rep 0 is cold (fresh connections, memory faulted in for the first
         # time); the table's `seconds` is the median of the warm reps after it.
         for rep in range(reps + 1):
-            x = client.submit(make_array, size, rep, workers=[src], pure=False)
+            x = client.submit(make, size, rep, workers=[src], pure=False)
             wait(x)
             expected = client.submit(fingerprint, x, workers=[src], pure=False).result()
             tx0, _ = ec.nic_bytes(src_role)
@@ -220,6 +223,7 @@ def measure(
         note,
         ec.workers_per_host,
         host_rx,
+        obj,
     )
 
 
@@ -317,7 +321,8 @@ def print_table(
             f"{r.all_seconds[0] / b:>5.2f} {quantile(warm, 0.5) / b:>5.2f} "
             f"{quantile(warm, 0.9) / b:>5.2f} {quantile(warm, 1.0) / b:>5.2f} {vs:>7.2f} "
             f"{format_bytes(r.source_tx_bytes):>11} {r.source_tx_bytes / r.size:>5.2f} "
-            f"{r.cpu_percent:>5.0f}  {r.note}{'' if r.ok else ' FAILED'}"
+            f"{r.cpu_percent:>5.0f}  {'' if r.obj == 'array' else r.obj + ' '}"
+            f"{r.note}{'' if r.ok else ' FAILED'}"
         )
 
 
@@ -388,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         help="record hoplite.timelines in the workers and print each receiver's timeline "
         "of the cold, the median and the slowest warm repetition",
     )
+    p.add_argument(
+        "--object",
+        choices=sorted(MAKERS),
+        default="array",
+        help="what is broadcast: a numpy array, or a Python object wrapping bytes "
+        "(Dask's sizeof says ~50 bytes: the object is measured when it is made)",
+    )
     p.add_argument("--out", default="benchmarks/results/broadcast")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved run and exit")
     args = p.parse_args(argv)
@@ -406,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                 if method in MPI_METHODS:
                     r = measure_mpi(ec, method, size, args.reps, timeout)
                 else:
-                    r = measure(ec, method, size, args.reps, timeout, args.timelines)
+                    r = measure(
+                        ec, method, size, args.reps, timeout, args.timelines, args.object
+                    )
                 print(f"# {method} {format_bytes(size)}: {r.all_seconds}", flush=True)
                 results.append(r)
     print()
