@@ -35,6 +35,8 @@ def test_every_real_client_runs_with_and_without_the_plugin_to_the_same_answers(
         for op in ("gridsearch", "scatter", "gridsearch-prescattered", "merge", "model"):
             r = rows[f"{method}-{op}"]
             assert len(r["all_seconds"]) == 2 and r["ok"], r
+    assert "merge: the results with and without the plugin are the same: True" in done.stdout
+    assert "model: the results with and without the plugin are the same: True" in done.stdout
     assert "best parameters identical with and without the plugin: True" in done.stdout
     for op in ("merge", "model"):
         assert rows[f"dask-{op}"]["extra"] == {
