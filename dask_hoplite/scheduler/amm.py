@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
 
+from dask_hoplite.core.measured_sizes import MeasuredSizes
 from dask_hoplite.patching import AttributePatch
 
 if TYPE_CHECKING:
@@ -34,23 +35,20 @@ logger = logging.getLogger(__name__)
 
 
 class NeededReplicas:
-    """Pin source: the holders of a key of at least ``min_bytes`` (``size``:
-    the size to plan a key with, measured or Dask's) while some task that
-    needs it has not finished (``ts.waiters``)."""
+    """Pin source: the holders of a key of at least ``min_bytes`` (its size as
+    the directory plans it: ``sizes``, measured or Dask's) while some task
+    that needs it has not finished (``ts.waiters``)."""
 
     def __init__(
-        self,
-        task: Callable[[Key], TaskState | None],
-        size: Callable[[Key, TaskState], int],
-        min_bytes: int,
+        self, task: Callable[[Key], TaskState | None], sizes: MeasuredSizes, min_bytes: int
     ) -> None:
         self._task = task
-        self._size = size
+        self._sizes = sizes
         self._min_bytes = min_bytes
 
     def __call__(self, key: Key) -> set[str]:
         ts = self._task(key)
-        if ts is None or not ts.waiters or self._size(key, ts) < self._min_bytes:
+        if ts is None or not ts.waiters or self._sizes.size(key, ts.nbytes) < self._min_bytes:
             return set()
         return {ws.address for ws in ts.who_has or ()}
 

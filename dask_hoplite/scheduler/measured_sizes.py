@@ -56,10 +56,6 @@ class MeasuredSizesService:
         )
         self.sizes.measured(key, int(nbytes))
 
-    def size(self, key: Key, ts: TaskState) -> int:
-        """The size to plan ``key``'s transfers with."""
-        return self.sizes.size(key, ts.nbytes)
-
     def key_transitioned(self, key: Key, finish: str) -> None:
         """A task changed state: a measured key released or forgotten is
         forgotten here (measured again if recomputed); a task sent to a

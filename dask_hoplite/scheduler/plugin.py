@@ -176,7 +176,7 @@ class Hoplite(SchedulerPlugin):
         waiting = previous.service.waiting if previous and previous.service else None
         pins = previous.replicator.pins if previous and previous.replicator else None
         send = functools.partial(_send_to_worker, s)
-        self.sizes = measured = MeasuredSizesService(sizes, s.tasks.get, send)
+        self.sizes = MeasuredSizesService(sizes, s.tasks.get, send)
         self.service = service = DirectoryService(
             directory, network, config, s.tasks.get, waiting, sizes
         )
@@ -205,7 +205,7 @@ class Hoplite(SchedulerPlugin):
                 self.replicator.pinned,
             ]
             if config.keep_while_needed:
-                sources.append(NeededReplicas(s.tasks.get, measured.size, config.min_bytes))
+                sources.append(NeededReplicas(s.tasks.get, sizes, config.min_bytes))
             self.overrides.append(StreamDropGuard(*sources))
         self.handler_table = {
             "hoplite_request": service.request,

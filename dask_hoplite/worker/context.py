@@ -161,10 +161,9 @@ class WorkerContext:
         return max(ts.nbytes or 0, self.measured.get(key, 0)) >= self.config.min_bytes
 
     async def serialize(self, value: Any) -> tuple[dict[str, Any], list[Any]]:
-        """``value`` as hoplite serves it: header and frames (zero-copy for
-        numpy arrays), serialised off the event loop."""
+        """:func:`serialize_for_streams` of ``value``, off the event loop."""
         with context_meter.meter("serialize"):
-            return await offload(serialize, value, serializers=("dask", "pickle"), on_error="raise")
+            return await offload(serialize_for_streams, value)
 
     async def serialize_held(self, key: Key) -> tuple[dict[str, Any], list[Any]] | None:
         """The value of ``key`` in this worker's memory, serialised; None if
@@ -189,6 +188,12 @@ class WorkerContext:
         header = copy.deepcopy(buf.layout.header)
         with context_meter.meter("deserialize"):
             return await offload(deserialize, header, buf.frames())
+
+
+def serialize_for_streams(value: Any) -> tuple[dict[str, Any], list[Any]]:
+    """``value`` as hoplite serves it: header and frames (zero-copy for numpy
+    arrays; pickled, buffers out of band, otherwise)."""
+    return serialize(value, serializers=("dask", "pickle"), on_error="raise")
 
 
 def secede_coroutine(worker: Worker, key: Key) -> None:

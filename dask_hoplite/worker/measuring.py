@@ -23,11 +23,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from dask.typing import Key
-from distributed.protocol import serialize
 from distributed.utils import nbytes
 
 from dask_hoplite.core.measured_sizes import MEASURED_OP, sizeof_may_be_wrong
-from dask_hoplite.worker.context import WorkerContext
+from dask_hoplite.worker.context import WorkerContext, serialize_for_streams
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class SizeMeasuring:
             # On the event loop, before Dask reports the task finished: the
             # report must reach the scheduler first. Dask would serialise the
             # object here too, once for every peer that fetches it.
-            header, frames = serialize(value, serializers=("dask", "pickle"), on_error="raise")
+            header, frames = serialize_for_streams(value)
         except Exception as e:
             logger.debug("%r could not be measured: %s", key, e)
             return
