@@ -102,6 +102,8 @@ class HopliteConfig:
     queue_timeout: float
     protect_streams: bool
     keep_while_needed: bool
+    prompt_stealing: bool
+    stealing_delay: float
     buffer_pool_bytes: int
     buffer_pool_idle: float
     prefault: bool
@@ -169,6 +171,8 @@ class HopliteConfig:
             queue_timeout=_seconds("directory.queue-timeout"),
             protect_streams=bool(_get("amm.protect-streams")),
             keep_while_needed=bool(_get("amm.keep-while-needed")),
+            prompt_stealing=bool(_get("stealing.prompt")),
+            stealing_delay=_seconds("stealing.delay"),
             buffer_pool_bytes=_bytes("buffer-pool-bytes"),
             buffer_pool_idle=_seconds("buffer-pool-idle"),
             prefault=bool(_get("prefault")),

@@ -15,6 +15,8 @@ only wires the rest into the scheduler and takes it out again:
 - :mod:`.collective_log`: what the collectives did, by kind and outcome;
 - :mod:`.metrics`: the scheduler part's Prometheus series;
 - :mod:`.peers`: which workers run which features (an outsider never sends);
+- :mod:`.prompt_stealing`: a task needing a large key, queued behind a busy
+  thread, moves to an idle worker at once (Dask's steal, sooner);
 - :mod:`.replicate`, :mod:`.graph_rewrite`, :mod:`.amm`: one override of a Dask
   internal each (``replicate``, ``_create_taskstate_from_graph``, the Active
   Memory Manager's ``_find_dropper``), each undone exactly by its ``restore``

@@ -53,6 +53,7 @@ from dask_hoplite.scheduler.graph_rewrite import GraphRewrite
 from dask_hoplite.scheduler.measured_sizes import MeasuredSizesService
 from dask_hoplite.scheduler.metrics import SCHEDULER_SERIES, SchedulerSource
 from dask_hoplite.scheduler.peers import Peers
+from dask_hoplite.scheduler.prompt_stealing import PromptStealing
 from dask_hoplite.scheduler.queries import SchedulerQueries
 from dask_hoplite.scheduler.replicate import ReplicateOverride
 from dask_hoplite.scheduler.spares_used import SparesUsed
@@ -103,6 +104,7 @@ class Hoplite(SchedulerPlugin):
         self.sizes: MeasuredSizesService | None = None
         self.replicator: ReplicateOverride | None = None
         self.first_ready: FirstReady | None = None
+        self.prompt_stealing: PromptStealing | None = None
         self.spares_used: SparesUsed | None = None
         self.cancels: CollectiveCancels | None = None
         self.collectives: CollectiveLog | None = None
@@ -207,6 +209,11 @@ class Hoplite(SchedulerPlugin):
             if config.keep_while_needed:
                 sources.append(NeededReplicas(s.tasks.get, sizes, config.min_bytes))
             self.overrides.append(StreamDropGuard(*sources))
+        self.prompt_stealing = None
+        if config.prompt_stealing:
+            self.prompt_stealing = PromptStealing.on_scheduler(
+                s, sizes, config.min_bytes, config.stealing_delay
+            )
         self.handler_table = {
             "hoplite_request": service.request,
             "hoplite_info": service.info,
@@ -269,6 +276,7 @@ class Hoplite(SchedulerPlugin):
                 del registry[name]
         for override in reversed(self.overrides):
             override.restore()
+        self.prompt_stealing = None
         s.set_metadata(keys=[METADATA_KEY], value=None)
         s.set_metadata(keys=[SCHEDULER_PART_KEY], value=None)
 
@@ -300,6 +308,8 @@ class Hoplite(SchedulerPlugin):
             self.first_ready.key_transitioned(key, finish)
         if self.spares_used is not None:
             self.spares_used.key_transitioned(key, finish)
+        if self.prompt_stealing is not None:
+            self.prompt_stealing.key_transitioned(key, start, finish)
         if self.cancels is not None and self.scheduler is not None:
             ts = self.scheduler.tasks.get(key) if finish == "processing" else None
             where = ts.processing_on.address if ts is not None and ts.processing_on else None
