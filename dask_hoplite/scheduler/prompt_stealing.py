@@ -1,8 +1,9 @@
 """Spread the tasks that need a large key at once, not at work stealing's next tick.
 
-Dask places a task next to its largest dependency: every task needing a
-large key X lands on X's few holders, and work stealing moves the surplus to
-idle workers, one task per idle worker per round, once a second
+Dask places a task on a worker that holds one of its dependencies, so the
+tasks needing a large key X land on the few workers holding X or their other
+inputs, and work stealing moves the surplus to idle workers, one task per
+idle worker per round, once a second
 (``distributed.scheduler.work-stealing-interval``). A moved task's worker
 then fetches X. Without hoplite each such fetch is another whole copy from a
 holder, and a second's wait is small beside it; with hoplite every receiver
@@ -28,9 +29,10 @@ It moves only those tasks: others, and tasks with worker, host or resource
 restrictions, are left to Dask's own cadence. (It does not run Dask's whole
 balancing round early: that also moves seceded tasks' siblings, and a steal
 confirmed for a task whose prefix Dask timed at zero fails an assertion in
-``distributed.stealing`` that closes the victim's stream.) So nothing moves
-that Dask's stealing would not move, only sooner, and with work stealing off (``distributed.scheduler.work-stealing:
-false``) this does nothing. ``hoplite.stealing.prompt`` turns it off.
+``distributed.stealing`` that closes the victim's stream.) A move passes the
+test Dask's stealing applies, only sooner; with work stealing off
+(``distributed.scheduler.work-stealing: false``) nothing moves.
+``hoplite.stealing.prompt`` turns it off.
 """
 
 from __future__ import annotations
