@@ -418,9 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 if method in MPI_METHODS:
                     r = measure_mpi(ec, method, size, args.reps, timeout)
                 else:
-                    r = measure(
-                        ec, method, size, args.reps, timeout, args.timelines, args.object
-                    )
+                    r = measure(ec, method, size, args.reps, timeout, args.timelines, args.object)
                 print(f"# {method} {format_bytes(size)}: {r.all_seconds}", flush=True)
                 results.append(r)
     print()

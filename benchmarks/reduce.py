@@ -171,8 +171,7 @@ def measure(ec: EmulatedCluster, method: str, size: int, reps: int) -> Result:
         for _rep in range(reps + 1):  # rep 0 is cold
             make = make_model if method == "hoplite-model" else make_input
             xs = [
-                client.submit(make, size, i, workers=[w], pure=False)
-                for i, w in enumerate(workers)
+                client.submit(make, size, i, workers=[w], pure=False) for i, w in enumerate(workers)
             ]
             wait(xs)
             rx0 = [ec.nic_bytes(r)[1] for r in roles]

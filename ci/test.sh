@@ -40,6 +40,7 @@ fi
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
 echo "== ruff"
 "$PY" -m ruff check dask_hoplite tests benchmarks examples docs
+"$PY" -m ruff format --check dask_hoplite tests benchmarks examples docs
 echo "== mypy"
 "$PY" -m mypy
 echo "== pytest (default suite)"

@@ -33,9 +33,7 @@ def on_inputs_workers(client, outputs, inputs):
     """Output i is on the worker of input i."""
     wait(outputs)
     where = client.who_has(list(outputs) + list(inputs))
-    return all(
-        set(where[o.key]) & set(where[i.key]) for o, i in zip(outputs, inputs, strict=True)
-    )
+    return all(set(where[o.key]) & set(where[i.key]) for o, i in zip(outputs, inputs, strict=True))
 
 
 def assert_matches(result, expected):

@@ -13,9 +13,7 @@ import pytest
 from module_imports import PACKAGE, PACKAGE_DIR, modules
 
 DESIGN = os.path.join(os.path.dirname(PACKAGE_DIR), "docs", "design.md")
-SUBPACKAGES = sorted(
-    m for m, p in modules().items() if p.endswith("__init__.py") and m != PACKAGE
-)
+SUBPACKAGES = sorted(m for m, p in modules().items() if p.endswith("__init__.py") and m != PACKAGE)
 
 
 def _named_in_docstring(package: str) -> set[str]:

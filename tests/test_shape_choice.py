@@ -103,7 +103,12 @@ def test_the_reduce_planner_chooses_parts_when_asked_for_auto():
         workers = [f"tcp://10.{i // 256}.{i % 256}.1:1" for i in range(n)]
         keys = [f"x-{i}" for i in range(n)]
         req = PlanRequest(
-            rid="r", op="sum", inputs=tuple(keys), k=n, min_bytes=MiB, block_bytes=BLOCK,
+            rid="r",
+            op="sum",
+            inputs=tuple(keys),
+            k=n,
+            min_bytes=MiB,
+            block_bytes=BLOCK,
             parts=parts,
         )
         who_has = {k: [w] for k, w in zip(keys, workers, strict=True)}

@@ -510,7 +510,9 @@ def test_by_default_the_simulation_runs_the_shape_the_library_s_planner_chooses(
             collective, 512, 256 * MiB, rate, 0.001, Cluster.block_bytes
         )
         assert parts > 1
-        auto = big[collective, f"hoplite-parts{parts}-auto" + ("-spread" if collective == "reduce" else "")]
+        auto = big[
+            collective, f"hoplite-parts{parts}-auto" + ("-spread" if collective == "reduce" else "")
+        ]
         assert auto["seconds"] < big[collective, "hoplite"]["seconds"]
     k = chosen["broadcast"]
     _, cut = run(512, "--parts", str(k), "--collectives", "broadcast")

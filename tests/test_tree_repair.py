@@ -310,16 +310,16 @@ def test_every_request_gets_one_reply_and_repairs_stay_within_their_budget(run):
                 event = NodeChecked(d.slot, None if outcome else "it answered")
             elif isinstance(d, FindHolder):
                 holder = f"tcp://w{outcome * 2}:1" if outcome < 3 else "tcp://new:1"
-                event = HolderFound(d.slot, holder, load={}) if outcome else HolderMissing(d.slot, "x")
+                event = (
+                    HolderFound(d.slot, holder, load={}) if outcome else HolderMissing(d.slot, "x")
+                )
             else:
                 assert isinstance(d, Spread)
                 if outcome == 0:
                     event = SpreadFailed(d.slot, "no")
                 else:
                     total = 8000
-                    event = SpreadAnswered(
-                        d.slot, total, {c: total for c, _ in d.plan.adopters}
-                    )
+                    event = SpreadAnswered(d.slot, total, {c: total for c, _ in d.plan.adopters})
             take(r.handle(event))
         assert all(n <= budget for n in r.used_by_slot.values())
         assert r.used == sum(r.used_by_slot.values())
