@@ -45,6 +45,7 @@ from dask_hoplite.features import (
     DASHBOARD,
     FETCH,
     GRAPH_REDUCTIONS,
+    PROMPT_STEALING,
     REPLICATE,
     TRANSPORT,
     Drift,
@@ -95,7 +96,12 @@ class Internal:
     def side(self) -> str:
         """Where it is checked: "scheduler" (the scheduler and AMM, dask's
         graph internals the rewrite reads) or "worker" (everything else)."""
-        scheduler = ("distributed.scheduler.", "distributed.active_memory_manager.", "dask.")
+        scheduler = (
+            "distributed.scheduler.",
+            "distributed.active_memory_manager.",
+            "distributed.stealing.",
+            "dask.",
+        )
         return "scheduler" if self.path.startswith(scheduler) else "worker"
 
 
@@ -106,6 +112,7 @@ def _feature(feature: str, *internals: Internal) -> tuple[Internal, ...]:
 _W = "distributed.worker.Worker"
 _WSM = "distributed.worker_state_machine"
 _S = "distributed.scheduler.Scheduler"
+_ST = "distributed.stealing.WorkStealing"
 
 PRIVATE_INTERNALS: tuple[Internal, ...] = (
     # ---- the transport: comms, the connection pool, the directory's handlers and task states
@@ -195,6 +202,27 @@ PRIVATE_INTERNALS: tuple[Internal, ...] = (
         Internal("dask.array.routines._chunk_sum", "core/aggregates.py", "x @ y, tensordot"),
         Internal("dask.bag.core._reduce", "core/aggregates.py", "bag folds"),
         Internal("dask.bag.core.empty_safe_aggregate", "core/aggregates.py", "bag aggregates"),
+    ),
+    # ---- prompt stealing: Dask's work stealing, asked sooner for tasks needing a large key
+    *_feature(PROMPT_STEALING,
+        Internal(f"{_S}.idle", "scheduler/prompt_stealing.py", "the idle workers, thieves"),
+        Internal(f"{_S}._get_prefix_duration", "scheduler/prompt_stealing.py",
+                 "a task's expected compute time, as Dask's stealing has it", ("prefix",)),
+        Internal(f"{_S}.get_comm_cost", "scheduler/prompt_stealing.py",
+                 "a task's transfer time to a worker", ("ts", "ws")),
+        Internal("distributed.scheduler.TaskState.prefix", "scheduler/prompt_stealing.py",
+                 "the task's prefix, for its duration"),
+        Internal("distributed.scheduler.WorkerState.processing", "scheduler/prompt_stealing.py",
+                 "the tasks a worker runs or has queued"),
+        Internal("distributed.scheduler.WorkerState.occupancy", "scheduler/prompt_stealing.py",
+                 "a worker's expected busy time"),
+        Internal(f"{_ST}.move_task_request", "scheduler/prompt_stealing.py",
+                 "asks the victim to give a task up", ("ts", "victim", "thief")),
+        Internal(f"{_ST}.in_flight", "scheduler/prompt_stealing.py", "steals asked, not confirmed"),
+        Internal(f"{_ST}.in_flight_tasks", "scheduler/prompt_stealing.py",
+                 "tasks moving to or from a worker"),
+        Internal(f"{_ST}.in_flight_occupancy", "scheduler/prompt_stealing.py",
+                 "occupancy moving to or from a worker"),
     ),
     # ---- hoplite's transfers in Dask's bookkeeping
     *_feature(ACCOUNTING,

@@ -32,6 +32,7 @@ FETCH = "fetch"
 REPLICATE = "replicate"
 COLLECTIVES = "collectives"
 AMM_GUARD = "amm-guard"
+PROMPT_STEALING = "prompt-stealing"
 GRAPH_REDUCTIONS = "graph-reductions"
 ACCOUNTING = "accounting"
 DASHBOARD = "dashboard"
@@ -77,6 +78,11 @@ FEATURES: dict[str, Feature] = {
             AMM_GUARD,
             "the Active Memory Manager spares the replicas a stream reads or writes",
             "the AMM drops replicas as it chooses; a broken stream resumes from another holder",
+        ),
+        Feature(
+            PROMPT_STEALING,
+            "tasks needing a large key move to idle workers within hoplite.stealing.delay",
+            "Dask's work stealing moves them at its interval (work-stealing-interval)",
         ),
         Feature(
             GRAPH_REDUCTIONS,

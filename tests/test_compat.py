@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 async def test_every_private_internal_is_there_as_dask_hoplite_uses_it(s, a):
     comm = await connect(a.address)  # a live TCP comm, for its tornado stream
     try:
-        check_internals([s, a, comm], complete=True)
+        check_internals([s, s.extensions["stealing"], a, comm], complete=True)
     finally:
         comm.abort()
 

@@ -134,6 +134,14 @@ DRIFTS: dict[str, tuple[str, Callable[[], Any]]] = {
         ),
     ),
     "graph-reductions": ("dask.bag.core.empty_safe_aggregate", _bag_helper_renamed),
+    "prompt-stealing": (
+        "distributed.scheduler.Scheduler._get_prefix_duration",
+        _patch(
+            Scheduler,
+            "_get_prefix_duration",
+            lambda: _with_renamed_parameter(Scheduler, "_get_prefix_duration", "prefix", "tp"),
+        ),
+    ),
     "accounting": (
         "distributed.worker.Worker._get_cause",
         _patch(
@@ -167,6 +175,7 @@ def _installed(c: Client) -> dict[str, Any]:
             "graph-rewrite": "_create_taskstate_from_graph" in vars(dask_scheduler),
             "replicate": "replicate" in vars(dask_scheduler),
             "amm-guard": amm is not None and "_find_dropper" in vars(amm),
+            "prompt-stealing": dask_scheduler.plugins["hoplite"].prompt_stealing is not None,
         }
 
     def look_worker(dask_worker: Worker) -> dict[str, Any]:
@@ -247,6 +256,7 @@ def test_a_drift_turns_off_only_its_feature(feature, caplog):
             assert sched["graph-rewrite"] == (feature != "graph-reductions")
             assert sched["replicate"] == (feature != "replicate")
             assert sched["amm-guard"] == (feature != "amm-guard")
+            assert sched["prompt-stealing"] == (feature != "prompt-stealing")
             assert all(w["running"] for w in workers)
             assert all(w["fetch"] == (feature != "fetch") for w in workers)
             assert all(w["replicate"] == (feature != "replicate") for w in workers)

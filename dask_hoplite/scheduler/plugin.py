@@ -37,6 +37,7 @@ from dask_hoplite.features import (
     COLLECTIVES,
     DASHBOARD,
     GRAPH_REDUCTIONS,
+    PROMPT_STEALING,
     REPLICATE,
     TRANSPORT,
     FeatureSet,
@@ -131,7 +132,9 @@ class Hoplite(SchedulerPlugin):
         if untested:
             logger.warning(untested)
         where = f"the scheduler {scheduler.address}"
-        self.features = FeatureSet.decide(find_drifts([scheduler], side="scheduler"))
+        # The extensions too: work stealing's attributes are checked on it.
+        live = [scheduler, *scheduler.extensions.values()]
+        self.features = FeatureSet.decide(find_drifts(live, side="scheduler"))
         announce(self.features, where, installed_distributed_version(), scheduler.log_event)
         if TRANSPORT not in self.features:
             return  # Dask's own transfers for everything; the warning said so
@@ -210,7 +213,7 @@ class Hoplite(SchedulerPlugin):
                 sources.append(NeededReplicas(s.tasks.get, sizes, config.min_bytes))
             self.overrides.append(StreamDropGuard(*sources))
         self.prompt_stealing = None
-        if config.prompt_stealing:
+        if PROMPT_STEALING in on and config.prompt_stealing:
             self.prompt_stealing = PromptStealing.on_scheduler(
                 s, sizes, config.min_bytes, config.stealing_delay
             )

@@ -32,7 +32,9 @@ confirmed for a task whose prefix Dask timed at zero fails an assertion in
 ``distributed.stealing`` that closes the victim's stream.) A move passes the
 test Dask's stealing applies, only sooner; with work stealing off
 (``distributed.scheduler.work-stealing: false``) nothing moves.
-``hoplite.stealing.prompt`` turns it off.
+``hoplite.stealing.prompt`` turns it off; so does a release of distributed
+that changed an internal it reads (the ``prompt-stealing`` feature of
+:mod:`dask_hoplite.features`).
 """
 
 from __future__ import annotations
@@ -63,11 +65,11 @@ class DaskStealing:
 
     @classmethod
     def of(cls, s: Scheduler) -> DaskStealing | None:
+        from distributed.stealing import WorkStealing
+
         ext = s.extensions.get("stealing")
-        needed = ("move_task_request", "in_flight", "in_flight_tasks", "in_flight_occupancy")
-        if ext is None or not all(hasattr(ext, name) for name in needed):
-            return None
-        return cls(s, ext)
+        # Dask's own extension, whose internals dask_hoplite.compat checks.
+        return cls(s, ext) if isinstance(ext, WorkStealing) else None
 
     def task(self, key: Key) -> TaskState | None:
         return self._s.tasks.get(key)
@@ -85,14 +87,8 @@ class DaskStealing:
         return ts in self._ext.in_flight
 
     def duration(self, ts: TaskState) -> float:
-        """Dask's estimate of ``ts``'s compute time (its prefix's average,
-        else twice its longest run, else the unknown-task duration)."""
-        prefix = ts.prefix
-        if prefix.duration_average >= 0:
-            return float(prefix.duration_average)
-        if prefix.max_exec_time > 0:
-            return 2 * float(prefix.max_exec_time)
-        return float(self._s.UNKNOWN_TASK_DURATION)
+        """Dask's estimate of ``ts``'s compute time, as its stealing takes it."""
+        return float(self._s._get_prefix_duration(ts.prefix))
 
     def comm_cost(self, ts: TaskState, ws: WorkerState) -> float:
         return float(self._s.get_comm_cost(ts, ws))
