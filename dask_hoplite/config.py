@@ -120,6 +120,7 @@ class HopliteConfig:
     broadcast_parts: int | None  # None: "auto" (no cut; the directory may split into ranges)
     broadcast_ranges: int | None  # None: "auto" (core/shape_choice.py)
     plan_wait: float
+    pipeline_fill: float  # share of S/B a chain's pipeline fill may cost (core/block_size.py)
     reduce_parts: int | None  # None: "auto" (core/shape_choice.py)
     #: How a running reduce tree repairs a dead node: "replace", "spread", or
     #: "auto" (spread in a reduce in parts, replace in one tree):
@@ -154,6 +155,9 @@ class HopliteConfig:
             raise ValueError(
                 f"hoplite.reduce.repair must be 'auto', 'replace' or 'spread', got {repair!r}"
             )
+        fill = float(_get("broadcast.pipeline-fill"))
+        if not 0 < fill <= 1:
+            raise ValueError(f"hoplite.broadcast.pipeline-fill must be in (0, 1], got {fill}")
         max_inputs = int(_get("array.max-inputs"))
         if max_inputs < 2:
             raise ValueError(f"hoplite.array.max-inputs must be >= 2, got {max_inputs}")
@@ -193,6 +197,7 @@ class HopliteConfig:
             broadcast_parts=parts,
             broadcast_ranges=ranges,
             plan_wait=_seconds("broadcast.plan-wait"),
+            pipeline_fill=fill,
             reduce_parts=reduce_parts,
             reduce_repair=repair,
         )
@@ -202,7 +207,11 @@ class HopliteConfig:
         of this configuration's ``hoplite.reduce.repair``."""
         return resolve_repair(self.reduce_repair, in_parts)
 
-    def block_size_for(self, nbytes: int) -> int:
-        """Block size for an object of ``nbytes``: at least ``min_blocks`` blocks,
-        clamped to [min_block_bytes, block_bytes]."""
+    def block_size_for(self, nbytes: int, fitted: object = None) -> int:
+        """Block size for an object of ``nbytes``: the block the directory
+        ``fitted`` to the stream's chain (:mod:`~dask_hoplite.core.block_size`)
+        if it gave one, else at least ``min_blocks`` blocks; either clamped to
+        [min_block_bytes, block_bytes] (this process's settings)."""
+        if isinstance(fitted, int) and not isinstance(fitted, bool) and fitted > 0:
+            return max(self.min_block_bytes, min(self.block_bytes, fitted))
         return max(self.min_block_bytes, min(self.block_bytes, -(-nbytes // self.min_blocks)))

@@ -24,6 +24,7 @@ from dask.typing import Key
 
 from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
+from dask_hoplite.core.block_size import fitted_block
 from dask_hoplite.core.byte_ranges import range_key
 from dask_hoplite.core.directory import Assign, Decision, Missing, ObjectDirectory, Queued
 from dask_hoplite.core.hosts import host_of
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 Waiting = dict[tuple[Key, str], asyncio.Future[Decision]]
 
 
-def _decision_msg(d: Decision | None, nbytes: int) -> dict[str, Any]:
+def _decision_msg(d: Decision | None, nbytes: int, block: int) -> dict[str, Any]:
     """The answer for decision ``d`` (None: no sender freed up in time)."""
     if isinstance(d, Assign):
         return {
@@ -49,6 +50,7 @@ def _decision_msg(d: Decision | None, nbytes: int) -> dict[str, Any]:
             "sender": d.sender,
             "transfer_id": d.transfer_id,
             "nbytes": nbytes,
+            "block": block,
         }
     return {"status": "missing"}
 
@@ -61,6 +63,8 @@ class DirectoryService:
     larger of that and Dask's estimate).
     ``waiting`` is the map of parked requests, shared with a previous service
     when a newly registered plugin takes over (their decisions still reach them).
+    ``hosts`` counts the cluster's hosts (the deepest a chain may become is
+    every other one: the block each stream reads is fitted to it).
     """
 
     def __init__(
@@ -71,8 +75,10 @@ class DirectoryService:
         task: Callable[[Key], TaskState | None],
         waiting: Waiting | None = None,
         sizes: MeasuredSizes | None = None,
+        hosts: Callable[[], int] = lambda: 1,
     ) -> None:
         self.directory = directory
+        self._hosts = hosts
         self.network = network
         self.config = config
         self._task = task
@@ -148,7 +154,7 @@ class DirectoryService:
             # None: no sender freed up in time, and Dask's own path fetches it.
             decision = await self._wait_in_queue(dkey, receiver)
         logger.debug("%s asks for %r (excluding %s): %s", receiver, dkey, exclude, decision)
-        msg = _decision_msg(decision, nbytes)
+        msg = _decision_msg(decision, nbytes, self._block(nbytes, parts))
         if not isinstance(decision, Assign):
             msg["gone"] = not self._in_memory(key)
         # Every answer names the holders as they are now: a receiver that
@@ -295,6 +301,21 @@ class DirectoryService:
         """Dask's holders of ``key`` now."""
         ts = self._task(key)
         return [ws.address for ws in (ts.who_has or ())] if ts is not None else []
+
+    def _block(self, nbytes: int, parts: int) -> int:
+        """The block of a stream of ``nbytes`` in ``parts`` byte ranges, fitted
+        to the deepest chain this cluster may build (:mod:`~dask_hoplite.core.block_size`)."""
+        c = self.config
+        return fitted_block(
+            nbytes,
+            max(0, self._hosts() - 1),
+            self.network.estimate().bandwidth,
+            c.pipeline_fill,
+            c.block_bytes,
+            c.min_block_bytes,
+            c.min_blocks,
+            parts,
+        )
 
     def _in_memory(self, key: Key) -> bool:
         ts = self._task(key)

@@ -28,6 +28,7 @@ from dask_hoplite.compat import (
 )
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.directory import ObjectDirectory
+from dask_hoplite.core.hosts import host_of
 from dask_hoplite.core.measured_sizes import MEASURED_OP, MeasuredSizes
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.dashboard.live import live_state
@@ -183,7 +184,13 @@ class Hoplite(SchedulerPlugin):
         send = functools.partial(_send_to_worker, s)
         self.sizes = MeasuredSizesService(sizes, s.tasks.get, send)
         self.service = service = DirectoryService(
-            directory, network, config, s.tasks.get, waiting, sizes
+            directory,
+            network,
+            config,
+            s.tasks.get,
+            waiting,
+            sizes,
+            hosts=lambda: len({host_of(a) for a in s.workers}),
         )
         self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)

@@ -142,7 +142,8 @@ class Receiver:
             buf.resume()  # a copy kept for a resume serves its readers again
             if buf.progress:
                 self.ctx.count("bytes-resumed", buf.progress)  # not fetched again
-            outcome = await self._stream_from(buf, sender, tid, int(reply.get("nbytes") or 0))
+            nbytes = int(reply.get("nbytes") or 0)
+            outcome = await self._stream_from(buf, sender, tid, nbytes, fitted=reply.get("block"))
             if outcome is _RESTART:
                 # Another object than the bytes we hold: start over, from byte 0.
                 self.ctx.event("restarts", key=str(key), sender=sender)
@@ -242,7 +243,9 @@ class Receiver:
                 lo = range_bounds(buf.nbytes, j, parts)[0]
                 if buf.available(lo) > lo:  # not fetched again
                     self.ctx.count("bytes-resumed", buf.available(lo) - lo)
-            outcome = await self._stream_from(buf, sender, tid, nbytes, part=(j, parts))
+            outcome = await self._stream_from(
+                buf, sender, tid, nbytes, part=(j, parts), fitted=reply.get("block")
+            )
             if outcome is _RESTART:
                 return _RESTART, f"range {j}: {key!r} changed"
             if outcome is _BUSY:  # another holder for this range
@@ -308,10 +311,13 @@ class Receiver:
         tid: int,
         nbytes: int,
         part: tuple[int, int] | None = None,
+        fitted: object = None,
     ) -> Any:
         """One stream into ``buf`` from ``sender``, from the byte it reached
-        (of byte range ``part``, if given). Returns the deserialised object
-        (``_RANGE_DONE`` for a range), or ``_FAILED`` / ``_RESTART``."""
+        (of byte range ``part``, if given), read in blocks of ``fitted`` bytes
+        (the directory's fit to the chain; None: this worker's setting).
+        Returns the deserialised object (``_RANGE_DONE`` for a range), or
+        ``_FAILED`` / ``_RESTART``."""
         ctx, w, key = self.ctx, self.ctx.worker, buf.key
         stall = ctx.config.stall_timeout
         ok = False
@@ -329,7 +335,7 @@ class Receiver:
                         lo = 0 if part is None else range_bounds(buf.nbytes, *part)[0]
                         offset = buf.available(lo)
                     parts = 1 if part is None else part[1]
-                    block = ctx.config.block_size_for(nbytes // parts)
+                    block = ctx.config.block_size_for(nbytes // parts, fitted=fitted)
                     raw = raw_stream(comm) is not None
                     req = StreamRequest(key, offset, block, tid, raw=raw, who=w.address, part=part)
                     n = await receive_stream(comm, buf, req, stall_timeout=stall)

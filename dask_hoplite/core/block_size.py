@@ -1,0 +1,66 @@
+"""The block of a stream, fitted to the chain it travels down. Pure: no I/O.
+
+A relay forwards a block once all of it has landed (a receiver reads a
+stream a block at a time and then tells its own readers), so in a chain each
+hop starts one block behind the one above it. The last receiver of a chain
+``d`` hops deep gets its last byte ``d`` blocks' time after the source's
+link would have carried the whole object: the pipeline fill, ``d b / B``
+on top of ``S / B``. As a share of ``S / B`` that is ``d b / S``: the rate
+cancels, and one fixed block makes the fill grow with the depth and shrink
+with the object. 512 KiB blocks cost a 64 MiB object 5.5% over 7 hops and
+12% over 15.
+
+:func:`fitted_block` picks the largest block whose fill stays within a share
+of the transfer (``hoplite.broadcast.pipeline-fill``), between two floors and
+a ceiling:
+
+* each block wakes the reader and its own readers once, so none carries less
+  than :data:`MIN_BLOCK_SECONDS` at the host's rate (a relay wakes at most
+  about a thousand times a second per stream) nor less than
+  ``hoplite.min-block-bytes``;
+* none is larger than ``hoplite.block-bytes``, nor than a ``min-blocks``-th of
+  the object (even a small object pipelines).
+
+The depth is the deepest the chain may become: every other host of the
+cluster (the directory extends a chain as receivers ask, so the receivers
+known at a stream's start are not all of them). A key split into ``k`` byte
+ranges travels down ``k`` trees at once; its ranges share each host's link,
+so a hop of range ``j`` takes ``k`` blocks' time at ``B``, and the budget is
+divided by ``k`` too.
+"""
+
+from __future__ import annotations
+
+#: The least time a block carries at the host's rate (seconds): the wake-ups
+#: of a relay's reader and of its own readers, per stream, stay at about a
+#: thousand a second.
+MIN_BLOCK_SECONDS = 1e-3
+
+
+def fitted_block(
+    nbytes: int,
+    depth: int,
+    bandwidth: float,
+    fill_share: float,
+    block_bytes: int,
+    min_block_bytes: int,
+    min_blocks: int,
+    parts: int = 1,
+) -> int:
+    """The block of a stream of one of ``parts`` byte ranges of an object of
+    ``nbytes``, down a chain of at most ``depth`` hops at ``bandwidth``
+    bytes per second per host: the largest whose pipeline fill is at most
+    ``fill_share`` of the object's ``nbytes / bandwidth``, within the bounds
+    the module docstring gives."""
+    if nbytes < 0 or depth < 0 or bandwidth <= 0 or fill_share <= 0 or parts < 1:
+        raise ValueError(
+            "need nbytes >= 0, depth >= 0, bandwidth > 0, fill_share > 0 and parts >= 1 "
+            f"(got {nbytes}, {depth}, {bandwidth}, {fill_share}, {parts})"
+        )
+    part = -(-nbytes // parts)
+    ceiling = min(block_bytes, max(min_block_bytes, -(-part // min_blocks)))
+    if depth == 0:
+        return ceiling
+    budget = int(fill_share * nbytes / (depth * parts))
+    floor = max(min_block_bytes, int(bandwidth * MIN_BLOCK_SECONDS))
+    return min(ceiling, max(floor, budget))

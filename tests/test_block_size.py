@@ -1,0 +1,132 @@
+"""The block each stream reads, fitted to the chain it may travel down
+(``dask_hoplite.core.block_size``), and the directory's answers that carry it:
+a chain's pipeline fill stays within ``hoplite.broadcast.pipeline-fill`` of
+the transfer, no block carries less than a millisecond at the host's rate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from distributed.utils_test import gen_cluster
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dask_hoplite as dh
+from dask_hoplite.config import HopliteConfig
+from dask_hoplite.core.block_size import MIN_BLOCK_SECONDS, fitted_block
+from dask_hoplite.core.protocol import PROTOCOL_VERSION
+
+KiB, MiB = 2**10, 2**20
+DEFAULTS = {"block_bytes": 512 * KiB, "min_block_bytes": 32 * KiB, "min_blocks": 16}
+
+
+def test_a_deep_chain_of_a_mid_sized_key_gets_smaller_blocks():
+    # 8 hosts (7 hops) at 250 Mbit/s: 512 KiB blocks would cost a 64 MiB key
+    # 7 * 0.5 / 64 = 5.5% of S/B; fitted to 1.5%, about 140 KiB.
+    block = fitted_block(64 * MiB, 7, 31.25e6, 0.015, **DEFAULTS)
+    assert 130 * KiB < block < 150 * KiB
+    assert 7 * block <= 0.015 * 64 * MiB
+    # 16 hosts at 125 Mbit/s: about 65 KiB.
+    assert 60 * KiB < fitted_block(64 * MiB, 15, 15.6e6, 0.015, **DEFAULTS) < 70 * KiB
+
+
+def test_a_large_key_keeps_the_largest_block():
+    # 256 MiB over 7 hops at 1 Gbit/s: 512 KiB already costs only 1.4%.
+    assert fitted_block(256 * MiB, 7, 125e6, 0.015, **DEFAULTS) == 512 * KiB
+
+
+def test_no_block_carries_less_than_a_millisecond_at_the_rate():
+    # A thousand hosts: the budget would be a few KiB; at 1 Gbit/s a block
+    # carries at least 125 kB, at 10 Gbit/s the largest block.
+    assert fitted_block(64 * MiB, 999, 125e6, 0.015, **DEFAULTS) == int(125e6 * MIN_BLOCK_SECONDS)
+    assert fitted_block(64 * MiB, 999, 1.25e9, 0.015, **DEFAULTS) == 512 * KiB
+    # and never less than min-block-bytes
+    assert fitted_block(64 * MiB, 999, 1e6, 0.015, **DEFAULTS) == 32 * KiB
+
+
+def test_one_host_keeps_the_unfitted_block_and_a_small_key_goes_to_the_floor():
+    # No hop between hosts (workers of one host): no chain to fill.
+    assert fitted_block(64 * MiB, 0, 31.25e6, 0.015, **DEFAULTS) == 512 * KiB
+    assert fitted_block(1 * MiB, 0, 31.25e6, 0.015, **DEFAULTS) == 64 * KiB  # 16 blocks
+    # 1 MiB over one hop: 1.5% is 16 KiB, below min-block-bytes.
+    assert fitted_block(1 * MiB, 1, 31.25e6, 0.015, **DEFAULTS) == 32 * KiB
+
+
+def test_byte_ranges_share_the_budget():
+    one = fitted_block(256 * MiB, 15, 31.25e6, 0.015, **DEFAULTS)
+    four = fitted_block(256 * MiB, 15, 31.25e6, 0.015, parts=4, **DEFAULTS)
+    assert four * 4 <= one + 4
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(-1, 7, 1e6, 0.01), (1, -1, 1e6, 0.01), (1, 7, 0.0, 0.01), (1, 7, 1e6, 0.0)],
+)
+def test_nonsense_is_refused(args):
+    with pytest.raises(ValueError, match="need nbytes >= 0"):
+        fitted_block(*args, **DEFAULTS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    nbytes=st.integers(0, 2**34),
+    depth=st.integers(0, 2048),
+    bandwidth=st.floats(1e5, 1e11),
+    share=st.floats(1e-4, 1.0),
+    parts=st.integers(1, 32),
+)
+def test_the_block_is_within_its_bounds_and_meets_the_budget_unless_at_a_floor(
+    nbytes, depth, bandwidth, share, parts
+):
+    block = fitted_block(nbytes, depth, bandwidth, share, parts=parts, **DEFAULTS)
+    part = -(-nbytes // parts)
+    ceiling = min(512 * KiB, max(32 * KiB, -(-part // 16)))
+    floor = max(32 * KiB, int(bandwidth * MIN_BLOCK_SECONDS))
+    assert 0 < block <= ceiling
+    assert block >= min(ceiling, floor)
+    if block not in (ceiling, floor) and depth:
+        # The budget: the chain's fill is at most the share of S/B.
+        assert depth * parts * block <= share * nbytes
+    deeper = fitted_block(nbytes, depth + 1, bandwidth, share, parts=parts, **DEFAULTS)
+    assert deeper <= block
+
+
+# ------------------------------------------------------- the directory's answer
+
+CONFIG = {"hoplite.min-bytes": "64 KiB"}
+HOSTS = [("127.0.0.1", 1), ("127.0.0.2", 1), ("127.0.0.3", 1), ("127.0.0.4", 1)]
+
+
+async def _asked_block(c, s, workers) -> tuple[int, int, float]:
+    """The block the directory gives the first receiver of a 4 MiB key on 4
+    hosts, the block that key would get unfitted, and the bandwidth the
+    directory estimated as it answered."""
+    await c.register_plugin(dh.Hoplite())
+    x = c.submit(np.ones, 2**19, workers=[workers[0].address])  # 4 MiB of float64
+    await x
+    reply = await c.scheduler.hoplite_request(
+        key=x.key, receiver=workers[1].address, protocol=PROTOCOL_VERSION
+    )
+    assert reply["status"] == "assign", reply
+    bandwidth = s.plugins["hoplite"].service.network.estimate().bandwidth
+    # Nobody streams it: end the transfer as a receiver that failed would.
+    s.plugins["hoplite"].service.finished(reply["transfer_id"], ok=False)
+    # The copies still reach every worker, read in the blocks the directory gave.
+    copies = await c.gather(await dh.broadcast(x, workers=[w.address for w in workers]))
+    assert all(np.array_equal(v, np.ones(2**19)) for v in copies)
+    return reply["block"], HopliteConfig.from_dask_config().block_size_for(4 * MiB), bandwidth
+
+
+@gen_cluster(client=True, nthreads=HOSTS, config=CONFIG)
+async def test_the_directory_fits_each_streams_block_to_the_clusters_depth(c, s, *workers):
+    block, unfitted, bandwidth = await _asked_block(c, s, workers)
+    # 4 hosts: a chain of at most 3 hops; 1.5% of a 4 MiB transfer is
+    # below a millisecond at the rate, so the block is that millisecond.
+    assert block == fitted_block(4 * MiB, 3, bandwidth, 0.015, **DEFAULTS)
+    assert block == max(32 * KiB, int(bandwidth * MIN_BLOCK_SECONDS)) < unfitted
+
+
+@gen_cluster(client=True, nthreads=HOSTS, config={**CONFIG, "hoplite.broadcast.pipeline-fill": 1.0})
+async def test_a_generous_fill_share_keeps_the_unfitted_block(c, s, *workers):
+    block, unfitted, _ = await _asked_block(c, s, workers)
+    assert block == unfitted == 256 * KiB
