@@ -13,7 +13,10 @@ network; the client runs on the scheduler's host):
   X and y already on every worker (``parallel_backend("dask", scatter=[X,
   y])``), in a fresh cluster with the active memory manager off (on, it drops
   the replicas no task holds). The bound for a search is the p50 of those
-  two plus 1.3 S/B (X broadcast to the other workers).
+  two plus 1.3 S/B (X broadcast to the other workers). With ``--fit-compute
+  sleep`` the estimator's fit and score sleep their measured single-core
+  time instead of computing (``benchmarks/slept_estimator.py``), so the
+  emulated hosts' fits do not take the VM's 2 cores from their transfers.
 * ``merge``: a dask.dataframe of 16 partitions merged with a table of
   ``--table-bytes`` that a task makes in one partition: Dask broadcasts the
   single partition to every partition's merge task. Bound: S/B.
@@ -138,16 +141,17 @@ def _search_data(x_bytes: int) -> tuple[Any, Any]:
     return rng.random((rows, d)) + y[:, None] * 0.01, y
 
 
-def _search(X: Any, y: Any) -> dict[str, Any]:
+def _search(X: Any, y: Any, estimator: Any) -> dict[str, Any]:
     from sklearn.model_selection import GridSearchCV
-    from sklearn.naive_bayes import GaussianNB
 
-    gs = GridSearchCV(GaussianNB(), {"var_smoothing": GRID}, cv=2, n_jobs=-1)
+    gs = GridSearchCV(estimator, {"var_smoothing": GRID}, cv=2, n_jobs=-1)
     gs.fit(X, y)
     return {"best_params": gs.best_params_, "best_score": float(gs.best_score_)}
 
 
-def gridsearch(client: Any, reps: int, x_bytes: int, tag: str, n: int, rate: float) -> list[Row]:
+def gridsearch(
+    client: Any, reps: int, x_bytes: int, tag: str, n: int, rate: float, estimator: Any
+) -> list[Row]:
     """Searches as a user runs them (joblib scatters X, y and the folds for
     each), then ``client.scatter(X)`` alone."""
     import joblib
@@ -156,7 +160,7 @@ def gridsearch(client: Any, reps: int, x_bytes: int, tag: str, n: int, rate: flo
     times, best = [], []
     with joblib.parallel_backend("dask"):
         for _ in range(reps + 1):
-            dt, out = _time(lambda: _search(X, y))
+            dt, out = _time(lambda: _search(X, y, estimator))
             times.append(dt)
             best.append(out)
             print(f"#   {tag} search: {dt:.2f} s {out}", flush=True)
@@ -174,7 +178,9 @@ def gridsearch(client: Any, reps: int, x_bytes: int, tag: str, n: int, rate: flo
     ]
 
 
-def prescattered(client: Any, reps: int, x_bytes: int, tag: str, n: int, rate: float) -> list[Row]:
+def prescattered(
+    client: Any, reps: int, x_bytes: int, tag: str, n: int, rate: float, estimator: Any
+) -> list[Row]:
     """The same search with X and y already on every worker (joblib's
     ``scatter=``, a broadcast scatter, done before timing): what the search
     costs without moving X. Run on a cluster with the active memory manager
@@ -185,7 +191,7 @@ def prescattered(client: Any, reps: int, x_bytes: int, tag: str, n: int, rate: f
     times = []
     with joblib.parallel_backend("dask", scatter=[X, y]):
         for _ in range(reps + 1):
-            dt, _out = _time(lambda: _search(X, y))
+            dt, _out = _time(lambda: _search(X, y, estimator))
             times.append(dt)
     return [Row(f"{tag}-gridsearch-prescattered", n, X.nbytes, 0, times, X.nbytes / rate)]
 
@@ -274,9 +280,21 @@ def run(ec: EmulatedCluster, workload: str, method: str, args: argparse.Namespac
         with Client(ec.scheduler_address, timeout=60) as client:
             if method == "hoplite":
                 client.register_plugin(dask_hoplite.Hoplite())
+            searches = workload in ("gridsearch", "prescattered")
             rows = RUNNERS[workload](
-                client, args.reps, size[workload], method, ec.n_workers, ec.rate_bytes_per_s
+                client,
+                args.reps,
+                size[workload],
+                method,
+                ec.n_workers,
+                ec.rate_bytes_per_s,
+                **({"estimator": args.estimator} if searches else {}),
             )
+            if searches and args.fit_seconds is not None:
+                fit, score = args.fit_seconds
+                for r in rows:
+                    r.note = f"fit+score slept {fit:.2f}+{score:.2f} s"
+                    r.extra["fit_seconds"], r.extra["score_seconds"] = fit, score
             if method == "hoplite":
                 # Whether the keys went through hoplite at all: its counts, summed.
                 stats = client.run(lambda dask_worker: dask_worker.plugins["hoplite-worker"].stats)
@@ -335,6 +353,22 @@ def print_table(rows: list[Row]) -> None:
         print(f"best parameters identical with and without the plugin: {a == b} ({a[0]})")
 
 
+def _estimator(args: argparse.Namespace) -> tuple[Any, tuple[float, float] | None]:
+    """The search's estimator, and with ``--fit-compute sleep`` the fit's and
+    the score's measured single-core seconds that it sleeps."""
+    if "gridsearch" not in args.workloads:
+        return None, None
+    if args.fit_compute == "real":
+        from sklearn.naive_bayes import GaussianNB
+
+        return GaussianNB(), None
+    from benchmarks import slept_estimator
+
+    fit, score = slept_estimator.measure(*_search_data(args.x_bytes))
+    print(f"# single-core GaussianNB on half of X: fit {fit:.3f} s, score {score:.3f} s")
+    return slept_estimator.SleptGaussianNB(fit_seconds=fit, score_seconds=score), (fit, score)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -347,8 +381,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--x-bytes", type=parse_bytes, default="256MiB")
     p.add_argument("--table-bytes", type=parse_bytes, default="64MiB")
     p.add_argument("--model-bytes", type=parse_bytes, default="64MiB")
+    p.add_argument(
+        "--fit-compute",
+        choices=("real", "sleep"),
+        default="real",
+        help="the search's estimator: GaussianNB computing (real), or its fit and score "
+        "stood in by a sleep of their single-core time measured before the run (sleep; "
+        "benchmarks/slept_estimator.py: on 2 cores a real fit takes the CPU the emulated "
+        "hosts' transfers need)",
+    )
     p.add_argument("--out", default="benchmarks/results/real-clients")
     args = p.parse_args(argv)
+    args.estimator, args.fit_seconds = _estimator(args)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     rows: list[Row] = []
     with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit) as ec:

@@ -50,3 +50,25 @@ def test_every_real_client_runs_with_and_without_the_plugin_to_the_same_answers(
     assert rows["hoplite-gridsearch"]["extra"]["keys-received"] >= 4
     assert rows["hoplite-model"]["extra"]["keys-measured"] == 2  # one per repetition
     assert rows["hoplite-model"]["extra"]["keys-received"] == 4
+
+
+@pytest.mark.timeout(600)
+def test_the_search_with_its_fits_stood_in_by_sleeps_gives_the_same_best_both_ways(tmp_path):
+    """``--fit-compute sleep``: the estimator's fit and score sleep their
+    measured single-core time; the search still scores every parameter value
+    on its data, the same way with and without the plugin."""
+    out = str(tmp_path / "slept")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "real_clients.py")]
+    cmd += ["--workers", "3", "--rate-mbit", "1000", "--reps", "1", "--out", out]
+    cmd += ["--x-bytes", "8MiB", "--workloads", "gridsearch", "--fit-compute", "sleep"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=580, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "# single-core GaussianNB on half of X: fit " in done.stdout
+    assert "best parameters identical with and without the plugin: True" in done.stdout
+    with open(out + ".json") as f:
+        rows = {r["op"]: r for r in json.load(f)}
+    for method in ("dask", "hoplite"):
+        for op in ("gridsearch", "scatter", "gridsearch-prescattered"):
+            r = rows[f"{method}-{op}"]
+            assert r["note"].startswith("fit+score slept ") and r["extra"]["fit_seconds"] > 0
+    assert rows["hoplite-gridsearch"]["extra"]["keys-received"] >= 4
