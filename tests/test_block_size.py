@@ -1,7 +1,7 @@
 """The block each stream reads, fitted to the chain it may travel down
 (``dask_hoplite.core.block_size``), and the directory's answers that carry it:
 a chain's pipeline fill stays within ``hoplite.broadcast.pipeline-fill`` of
-the transfer, no block carries less than a millisecond at the host's rate."""
+the transfer, no block carries less than 4 ms at the host's rate."""
 
 from __future__ import annotations
 
@@ -35,26 +35,33 @@ def test_a_large_key_keeps_the_largest_block():
     assert fitted_block(256 * MiB, 7, 125e6, 0.015, **DEFAULTS) == 512 * KiB
 
 
-def test_no_block_carries_less_than_a_millisecond_at_the_rate():
-    # A thousand hosts: the budget would be a few KiB; at 1 Gbit/s a block
+def test_no_block_carries_less_than_4_ms_at_the_rate():
+    # A thousand hosts: the budget would be a few KiB; at 250 Mbit/s a block
     # carries at least 125 kB, at 10 Gbit/s the largest block.
-    assert fitted_block(64 * MiB, 999, 125e6, 0.015, **DEFAULTS) == int(125e6 * MIN_BLOCK_SECONDS)
+    assert fitted_block(64 * MiB, 999, 31.25e6, 0.015, **DEFAULTS) == 125_000
     assert fitted_block(64 * MiB, 999, 1.25e9, 0.015, **DEFAULTS) == 512 * KiB
     # and never less than min-block-bytes
     assert fitted_block(64 * MiB, 999, 1e6, 0.015, **DEFAULTS) == 32 * KiB
 
 
-def test_one_host_keeps_the_unfitted_block_and_a_small_key_goes_to_the_floor():
+def test_the_cpu_bound_regime_keeps_large_blocks():
+    # 64 MiB over 7 hops at 1 Gbit/s: 1.5% would be 140 KiB, which cost the
+    # relays CPU they did not have; 4 ms at the rate is 500 kB.
+    assert fitted_block(64 * MiB, 7, 125e6, 0.015, **DEFAULTS) == 500_000
+
+
+def test_one_host_or_a_small_key_keeps_the_unfitted_block():
     # No hop between hosts (workers of one host): no chain to fill.
     assert fitted_block(64 * MiB, 0, 31.25e6, 0.015, **DEFAULTS) == 512 * KiB
     assert fitted_block(1 * MiB, 0, 31.25e6, 0.015, **DEFAULTS) == 64 * KiB  # 16 blocks
-    # 1 MiB over one hop: 1.5% is 16 KiB, below min-block-bytes.
-    assert fitted_block(1 * MiB, 1, 31.25e6, 0.015, **DEFAULTS) == 32 * KiB
+    # 1 MiB over one hop: 1.5% is 16 KiB, but a block carries at least 4 ms
+    # (125 kB at 250 Mbit/s), more than a sixteenth of the key.
+    assert fitted_block(1 * MiB, 1, 31.25e6, 0.015, **DEFAULTS) == 64 * KiB
 
 
 def test_byte_ranges_share_the_budget():
-    one = fitted_block(256 * MiB, 15, 31.25e6, 0.015, **DEFAULTS)
-    four = fitted_block(256 * MiB, 15, 31.25e6, 0.015, parts=4, **DEFAULTS)
+    one = fitted_block(256 * MiB, 15, 15.6e6, 0.015, **DEFAULTS)
+    four = fitted_block(256 * MiB, 15, 15.6e6, 0.015, parts=4, **DEFAULTS)
     assert four * 4 <= one + 4
 
 
@@ -98,11 +105,11 @@ HOSTS = [("127.0.0.1", 1), ("127.0.0.2", 1), ("127.0.0.3", 1), ("127.0.0.4", 1)]
 
 
 async def _asked_block(c, s, workers) -> tuple[int, int, float]:
-    """The block the directory gives the first receiver of a 4 MiB key on 4
+    """The block the directory gives the first receiver of a 16 MiB key on 4
     hosts, the block that key would get unfitted, and the bandwidth the
     directory estimated as it answered."""
     await c.register_plugin(dh.Hoplite())
-    x = c.submit(np.ones, 2**19, workers=[workers[0].address])  # 4 MiB of float64
+    x = c.submit(np.ones, 2**21, workers=[workers[0].address])  # 16 MiB of float64
     await x
     reply = await c.scheduler.hoplite_request(
         key=x.key, receiver=workers[1].address, protocol=PROTOCOL_VERSION
@@ -113,20 +120,20 @@ async def _asked_block(c, s, workers) -> tuple[int, int, float]:
     s.plugins["hoplite"].service.finished(reply["transfer_id"], ok=False)
     # The copies still reach every worker, read in the blocks the directory gave.
     copies = await c.gather(await dh.broadcast(x, workers=[w.address for w in workers]))
-    assert all(np.array_equal(v, np.ones(2**19)) for v in copies)
-    return reply["block"], HopliteConfig.from_dask_config().block_size_for(4 * MiB), bandwidth
+    assert all(np.array_equal(v, np.ones(2**21)) for v in copies)
+    return reply["block"], HopliteConfig.from_dask_config().block_size_for(16 * MiB), bandwidth
 
 
 @gen_cluster(client=True, nthreads=HOSTS, config=CONFIG)
 async def test_the_directory_fits_each_streams_block_to_the_clusters_depth(c, s, *workers):
     block, unfitted, bandwidth = await _asked_block(c, s, workers)
-    # 4 hosts: a chain of at most 3 hops; 1.5% of a 4 MiB transfer is
-    # below a millisecond at the rate, so the block is that millisecond.
-    assert block == fitted_block(4 * MiB, 3, bandwidth, 0.015, **DEFAULTS)
+    # 4 hosts: a chain of at most 3 hops; 1.5% of a 16 MiB transfer is
+    # below 4 ms at the rate, so the block is those 4 ms.
+    assert block == fitted_block(16 * MiB, 3, bandwidth, 0.015, **DEFAULTS)
     assert block == max(32 * KiB, int(bandwidth * MIN_BLOCK_SECONDS)) < unfitted
 
 
 @gen_cluster(client=True, nthreads=HOSTS, config={**CONFIG, "hoplite.broadcast.pipeline-fill": 1.0})
 async def test_a_generous_fill_share_keeps_the_unfitted_block(c, s, *workers):
     block, unfitted, _ = await _asked_block(c, s, workers)
-    assert block == unfitted == 256 * KiB
+    assert block == unfitted == 512 * KiB
