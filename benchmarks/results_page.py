@@ -94,8 +94,20 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         "Broadcast",
+        "transparent broadcast, 64 MiB, 250 Mbit/s",
+        "fitted-blocks-2026-12-06/array-250-dask.json",
+        "hoplite",
+        "dask",
+        "python benchmarks/broadcast.py --workers 8 --rate-mbit 250 --sizes 64MiB "
+        "--methods dask hoplite --reps 10",
+        "the network-bound regime: one consumer task on each of 7 other hosts; blocks fitted "
+        "to the chain (140 KiB; with 512 KiB blocks p50 1.10-1.11, p90 1.14-1.17 in the same "
+        "sitting; a run without Dask: p50 1.07, p90 1.07, max 1.08); 2026-12-06",
+    ),
+    Figure(
+        "Broadcast",
         "an object Dask sizes at 56 bytes, 64 MiB",
-        "prompt-stealing-2026-12-06/wrapped-250.json",
+        "fitted-blocks-2026-12-06/wrapped-250-3.json",
         "hoplite",
         "dask",
         "python benchmarks/broadcast.py --workers 8 --rate-mbit 250 --sizes 64MiB "
@@ -103,10 +115,9 @@ FIGURES: tuple[Figure, ...] = (
         "a plain Python object around 64 MiB of bytes, made by a task on one of 8 hosts at "
         "250 Mbit/s and needed by a task on each other host; Dask's sizeof falls back to "
         "sys.getsizeof (56 bytes), so before the measuring of unsized results it went "
-        "Dask's way; p90 over the issue's 1.3 here and in the first run with Dask (1.32 both: "
-        "the 2nd and 3rd warm repetitions), 1.24 and 1.21 in two runs without; each "
-        "receiver's last byte at 1.05-1.10 S/B, the rest its unpickling (a copy of the "
-        "bytes) and the task; 2026-12-06",
+        "Dask's way; blocks fitted to the chain; two runs before this one, with Dask: p90 "
+        "1.24 and 1.18 (1.32, 1.32 and 1.23 with 512 KiB blocks); the time after each "
+        "receiver's last byte is its unpickling (a copy of the bytes) and the task; 2026-12-06",
     ),
     Figure(
         "Reduce",
@@ -200,6 +211,21 @@ FIGURES: tuple[Figure, ...] = (
         "every worker, p50 9.28 s with the plugin, 11.46 s without, plus client.scatter(X), "
         "p50 2.40 s, plus 1.3 S/B) is 14.48 s (16.66 s with Dask's) and the p50 is 17.39 s, "
         "20% over (4%); best parameters identical; prompt stealing on; 2026-12-06",
+    ),
+    Figure(
+        "Real clients",
+        "GridSearchCV, X 256 MiB, fits stood in by sleeps",
+        "fitted-blocks-2026-12-06/gridsearch-1000-slept.json",
+        "hoplite-gridsearch",
+        "dask-gridsearch",
+        "python benchmarks/real_clients.py --workers 8 --rate-mbit 1000 --reps 10 "
+        "--workloads gridsearch --fit-compute sleep",
+        "as above, with GaussianNB's fit and score sleeping their single-core time measured "
+        "before the run (0.20 s and 0.33 s) so the 8 emulated hosts' fits leave the VM's "
+        "2 cores to the transfers; joblib, GridSearchCV and its copies of X stay real; the "
+        "search's own bound (X and y on every worker, p50 2.92 s with the plugin, 2.40 s "
+        "without, plus client.scatter(X), p50 2.38 s, plus 1.3 S/B) is 8.08 s and the p50 "
+        "is 9.69 s, 20% over; best parameters identical; 2026-12-06",
     ),
     Figure(
         "Real clients",
