@@ -21,23 +21,31 @@ ok, why = emulation.available()
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why or "")]
 
 
-@pytest.mark.timeout(900)
-def test_every_real_client_runs_with_and_without_the_plugin_to_the_same_answers(tmp_path):
-    out = str(tmp_path / "real")
+def _run(out: str, timeout: float, *args: str) -> tuple[str, dict[str, dict]]:
+    """The script on 3 emulated workers at 1 Gbit/s, one warm repetition:
+    its output, and its rows by op."""
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "real_clients.py")]
-    cmd += ["--workers", "3", "--rate-mbit", "1000", "--reps", "1", "--out", out]
-    cmd += ["--x-bytes", "8MiB", "--table-bytes", "4MiB", "--model-bytes", "4MiB"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=880, cwd=ROOT)
+    cmd += ["--workers", "3", "--rate-mbit", "1000", "--reps", "1", "--out", out, *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with open(out + ".json") as f:
-        rows = {r["op"]: r for r in json.load(f)}
+        return done.stdout, {r["op"]: r for r in json.load(f)}
+
+
+@pytest.mark.timeout(900)
+def test_every_real_client_runs_with_and_without_the_plugin_to_the_same_answers(tmp_path):
+    stdout, rows = _run(
+        str(tmp_path / "real"),
+        880,
+        *("--x-bytes", "8MiB", "--table-bytes", "4MiB", "--model-bytes", "4MiB"),
+    )
     for method in ("dask", "hoplite"):
         for op in ("gridsearch", "scatter", "gridsearch-prescattered", "merge", "model"):
             r = rows[f"{method}-{op}"]
             assert len(r["all_seconds"]) == 2 and r["ok"], r
-    assert "merge: the results with and without the plugin are the same: True" in done.stdout
-    assert "model: the results with and without the plugin are the same: True" in done.stdout
-    assert "best parameters identical with and without the plugin: True" in done.stdout
+    assert "merge: the results with and without the plugin are the same: True" in stdout
+    assert "model: the results with and without the plugin are the same: True" in stdout
+    assert "best parameters identical with and without the plugin: True" in stdout
     for op in ("merge", "model"):
         assert rows[f"dask-{op}"]["extra"] == {
             k: v
@@ -57,16 +65,13 @@ def test_the_search_with_its_fits_stood_in_by_sleeps_gives_the_same_best_both_wa
     """``--fit-compute sleep``: the estimator's fit and score sleep their
     measured single-core time; the search still scores every parameter value
     on its data, the same way with and without the plugin."""
-    out = str(tmp_path / "slept")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "real_clients.py")]
-    cmd += ["--workers", "3", "--rate-mbit", "1000", "--reps", "1", "--out", out]
-    cmd += ["--x-bytes", "8MiB", "--workloads", "gridsearch", "--fit-compute", "sleep"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=580, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "# single-core GaussianNB on half of X: fit " in done.stdout
-    assert "best parameters identical with and without the plugin: True" in done.stdout
-    with open(out + ".json") as f:
-        rows = {r["op"]: r for r in json.load(f)}
+    stdout, rows = _run(
+        str(tmp_path / "slept"),
+        580,
+        *("--x-bytes", "8MiB", "--workloads", "gridsearch", "--fit-compute", "sleep"),
+    )
+    assert "# single-core GaussianNB on half of X: fit " in stdout
+    assert "best parameters identical with and without the plugin: True" in stdout
     for method in ("dask", "hoplite"):
         for op in ("gridsearch", "scatter", "gridsearch-prescattered"):
             r = rows[f"{method}-{op}"]
