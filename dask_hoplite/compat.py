@@ -135,6 +135,7 @@ PRIVATE_INTERNALS: tuple[Internal, ...] = (
         Internal(f"{_S}.register_worker_plugin", "scheduler/plugin.py", "installs the worker part",
                  ("comm", "plugin", "name", "idempotent")),
         Internal(f"{_S}.tasks", "scheduler/plugin.py", "a key's TaskState"),
+        Internal(f"{_S}.host_info", "scheduler/plugin.py", "the hosts with workers: a chain's deepest"),
         Internal("distributed.scheduler.TaskState.state", "scheduler", "memory, released, erred..."),
         Internal("distributed.scheduler.TaskState.nbytes", "scheduler", "decides which keys are large"),
         Internal("distributed.scheduler.TaskState.who_has", "scheduler", "holders of a key"),

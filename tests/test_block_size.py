@@ -17,51 +17,64 @@ from dask_hoplite.core.block_size import MIN_BLOCK_SECONDS, fitted_block
 from dask_hoplite.core.protocol import PROTOCOL_VERSION
 
 KiB, MiB = 2**10, 2**20
-DEFAULTS = {"block_bytes": 512 * KiB, "min_block_bytes": 32 * KiB, "min_blocks": 16}
+#: The default settings: block-bytes 512 KiB, min-block-bytes 32 KiB, min-blocks 16.
+CONFIG_DEFAULTS = HopliteConfig.from_dask_config()
+
+
+def fit(nbytes: int, depth: int, bandwidth: float, share: float, parts: int = 1) -> int:
+    """``fitted_block`` below the block the stream would read unfitted, as
+    the directory asks it."""
+    unfitted = CONFIG_DEFAULTS.block_size_for(nbytes // parts)
+    return fitted_block(unfitted, nbytes, depth, bandwidth, share, 32 * KiB, parts)
+
+
+def test_the_defaults_are_the_ones_these_tests_assume():
+    c = CONFIG_DEFAULTS
+    assert (c.block_bytes, c.min_block_bytes, c.min_blocks) == (512 * KiB, 32 * KiB, 16)
 
 
 def test_a_deep_chain_of_a_mid_sized_key_gets_smaller_blocks():
     # 8 hosts (7 hops) at 250 Mbit/s: 512 KiB blocks would cost a 64 MiB key
     # 7 * 0.5 / 64 = 5.5% of S/B; fitted to 1.5%, about 140 KiB.
-    block = fitted_block(64 * MiB, 7, 31.25e6, 0.015, **DEFAULTS)
+    block = fit(64 * MiB, 7, 31.25e6, 0.015)
     assert 130 * KiB < block < 150 * KiB
     assert 7 * block <= 0.015 * 64 * MiB
     # 16 hosts at 125 Mbit/s: about 65 KiB.
-    assert 60 * KiB < fitted_block(64 * MiB, 15, 15.6e6, 0.015, **DEFAULTS) < 70 * KiB
+    assert 60 * KiB < fit(64 * MiB, 15, 15.6e6, 0.015) < 70 * KiB
 
 
 def test_a_large_key_keeps_the_largest_block():
     # 256 MiB over 7 hops at 1 Gbit/s: 512 KiB already costs only 1.4%.
-    assert fitted_block(256 * MiB, 7, 125e6, 0.015, **DEFAULTS) == 512 * KiB
+    assert fit(256 * MiB, 7, 125e6, 0.015) == 512 * KiB
 
 
 def test_no_block_carries_less_than_4_ms_at_the_rate():
     # A thousand hosts: the budget would be a few KiB; at 250 Mbit/s a block
     # carries at least 125 kB, at 10 Gbit/s the largest block.
-    assert fitted_block(64 * MiB, 999, 31.25e6, 0.015, **DEFAULTS) == 125_000
-    assert fitted_block(64 * MiB, 999, 1.25e9, 0.015, **DEFAULTS) == 512 * KiB
+    assert fit(64 * MiB, 999, 31.25e6, 0.015) == 125_000
+    assert fit(64 * MiB, 999, 1.25e9, 0.015) == 512 * KiB
     # and never less than min-block-bytes
-    assert fitted_block(64 * MiB, 999, 1e6, 0.015, **DEFAULTS) == 32 * KiB
+    assert fit(64 * MiB, 999, 1e6, 0.015) == 32 * KiB
 
 
 def test_the_cpu_bound_regime_keeps_large_blocks():
     # 64 MiB over 7 hops at 1 Gbit/s: 1.5% would be 140 KiB, which cost the
     # relays CPU they did not have; 4 ms at the rate is 500 kB.
-    assert fitted_block(64 * MiB, 7, 125e6, 0.015, **DEFAULTS) == 500_000
+    assert fit(64 * MiB, 7, 125e6, 0.015) == 500_000
 
 
 def test_one_host_or_a_small_key_keeps_the_unfitted_block():
     # No hop between hosts (workers of one host): no chain to fill.
-    assert fitted_block(64 * MiB, 0, 31.25e6, 0.015, **DEFAULTS) == 512 * KiB
-    assert fitted_block(1 * MiB, 0, 31.25e6, 0.015, **DEFAULTS) == 64 * KiB  # 16 blocks
+    assert fit(64 * MiB, 0, 31.25e6, 0.015) == 512 * KiB
+    assert fit(1 * MiB, 0, 31.25e6, 0.015) == 64 * KiB  # 16 blocks
     # 1 MiB over one hop: 1.5% is 16 KiB, but a block carries at least 4 ms
     # (125 kB at 250 Mbit/s), more than a sixteenth of the key.
-    assert fitted_block(1 * MiB, 1, 31.25e6, 0.015, **DEFAULTS) == 64 * KiB
+    assert fit(1 * MiB, 1, 31.25e6, 0.015) == 64 * KiB
 
 
 def test_byte_ranges_share_the_budget():
-    one = fitted_block(256 * MiB, 15, 15.6e6, 0.015, **DEFAULTS)
-    four = fitted_block(256 * MiB, 15, 15.6e6, 0.015, parts=4, **DEFAULTS)
+    one = fit(256 * MiB, 15, 15.6e6, 0.015)
+    four = fit(256 * MiB, 15, 15.6e6, 0.015, parts=4)
     assert four * 4 <= one + 4
 
 
@@ -71,7 +84,7 @@ def test_byte_ranges_share_the_budget():
 )
 def test_nonsense_is_refused(args):
     with pytest.raises(ValueError, match="need nbytes >= 0"):
-        fitted_block(*args, **DEFAULTS)
+        fit(*args)
 
 
 @settings(max_examples=300, deadline=None)
@@ -85,7 +98,7 @@ def test_nonsense_is_refused(args):
 def test_the_block_is_within_its_bounds_and_meets_the_budget_unless_at_a_floor(
     nbytes, depth, bandwidth, share, parts
 ):
-    block = fitted_block(nbytes, depth, bandwidth, share, parts=parts, **DEFAULTS)
+    block = fit(nbytes, depth, bandwidth, share, parts=parts)
     part = -(-nbytes // parts)
     ceiling = min(512 * KiB, max(32 * KiB, -(-part // 16)))
     floor = max(32 * KiB, int(bandwidth * MIN_BLOCK_SECONDS))
@@ -94,7 +107,7 @@ def test_the_block_is_within_its_bounds_and_meets_the_budget_unless_at_a_floor(
     if block not in (ceiling, floor) and depth:
         # The budget: the chain's fill is at most the share of S/B.
         assert depth * parts * block <= share * nbytes
-    deeper = fitted_block(nbytes, depth + 1, bandwidth, share, parts=parts, **DEFAULTS)
+    deeper = fit(nbytes, depth + 1, bandwidth, share, parts=parts)
     assert deeper <= block
 
 
@@ -129,7 +142,7 @@ async def test_the_directory_fits_each_streams_block_to_the_clusters_depth(c, s,
     block, unfitted, bandwidth = await _asked_block(c, s, workers)
     # 4 hosts: a chain of at most 3 hops; 1.5% of a 16 MiB transfer is
     # below 4 ms at the rate, so the block is those 4 ms.
-    assert block == fitted_block(16 * MiB, 3, bandwidth, 0.015, **DEFAULTS)
+    assert block == fit(16 * MiB, 3, bandwidth, 0.015)
     assert block == max(32 * KiB, int(bandwidth * MIN_BLOCK_SECONDS)) < unfitted
 
 

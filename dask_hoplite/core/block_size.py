@@ -11,14 +11,13 @@ with the object. 512 KiB blocks cost a 64 MiB object 5.5% over 7 hops and
 12% over 15.
 
 :func:`fitted_block` picks the largest block whose fill stays within a share
-of the transfer (``hoplite.broadcast.pipeline-fill``), between two floors and
-a ceiling:
-
-* each block costs the relay CPU (its reader wakes, then its own readers
-  write), so none carries less than :data:`MIN_BLOCK_SECONDS` at the host's
-  rate nor less than ``hoplite.min-block-bytes``;
-* none is larger than ``hoplite.block-bytes``, nor than a ``min-blocks``-th of
-  the object (even a small object pipelines).
+of the transfer (``hoplite.broadcast.pipeline-fill``), no larger than the
+block the stream would read unfitted (``hoplite.block-bytes`` at most, a
+``min-blocks``-th of the object at least, so even a small object pipelines:
+:meth:`~dask_hoplite.config.HopliteConfig.block_size_for`). Each block costs
+the relay CPU (its reader wakes, then its own readers write), so none carries
+less than :data:`MIN_BLOCK_SECONDS` at the host's rate nor less than
+``hoplite.min-block-bytes``.
 
 The depth is the deepest the chain may become: every other host of the
 cluster (the directory extends a chain as receivers ask, so the receivers
@@ -40,29 +39,26 @@ MIN_BLOCK_SECONDS = 4e-3
 
 
 def fitted_block(
+    unfitted: int,
     nbytes: int,
     depth: int,
     bandwidth: float,
     fill_share: float,
-    block_bytes: int,
     min_block_bytes: int,
-    min_blocks: int,
     parts: int = 1,
 ) -> int:
     """The block of a stream of one of ``parts`` byte ranges of an object of
     ``nbytes``, down a chain of at most ``depth`` hops at ``bandwidth``
-    bytes per second per host: the largest whose pipeline fill is at most
-    ``fill_share`` of the object's ``nbytes / bandwidth``, within the bounds
-    the module docstring gives."""
+    bytes per second per host: the largest, up to ``unfitted``, whose
+    pipeline fill is at most ``fill_share`` of the object's
+    ``nbytes / bandwidth``, within the floors the module docstring gives."""
     if nbytes < 0 or depth < 0 or bandwidth <= 0 or fill_share <= 0 or parts < 1:
         raise ValueError(
             "need nbytes >= 0, depth >= 0, bandwidth > 0, fill_share > 0 and parts >= 1 "
             f"(got {nbytes}, {depth}, {bandwidth}, {fill_share}, {parts})"
         )
-    part = -(-nbytes // parts)
-    ceiling = min(block_bytes, max(min_block_bytes, -(-part // min_blocks)))
     if depth == 0:
-        return ceiling
+        return unfitted
     budget = int(fill_share * nbytes / (depth * parts))
     floor = max(min_block_bytes, int(bandwidth * MIN_BLOCK_SECONDS))
-    return min(ceiling, max(floor, budget))
+    return min(unfitted, max(floor, budget))

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 Waiting = dict[tuple[Key, str], asyncio.Future[Decision]]
 
 
-def _decision_msg(d: Decision | None, nbytes: int, block: int) -> dict[str, Any]:
+def _decision_msg(d: Decision | None, nbytes: int) -> dict[str, Any]:
     """The answer for decision ``d`` (None: no sender freed up in time)."""
     if isinstance(d, Assign):
         return {
@@ -50,7 +50,6 @@ def _decision_msg(d: Decision | None, nbytes: int, block: int) -> dict[str, Any]
             "sender": d.sender,
             "transfer_id": d.transfer_id,
             "nbytes": nbytes,
-            "block": block,
         }
     return {"status": "missing"}
 
@@ -154,8 +153,10 @@ class DirectoryService:
             # None: no sender freed up in time, and Dask's own path fetches it.
             decision = await self._wait_in_queue(dkey, receiver)
         logger.debug("%s asks for %r (excluding %s): %s", receiver, dkey, exclude, decision)
-        msg = _decision_msg(decision, nbytes, self._block(nbytes, parts))
-        if not isinstance(decision, Assign):
+        msg = _decision_msg(decision, nbytes)
+        if isinstance(decision, Assign):
+            msg["block"] = self._block(nbytes, parts)
+        else:
             msg["gone"] = not self._in_memory(key)
         # Every answer names the holders as they are now: a receiver that
         # falls back to Dask's path must know who still holds the key, or it
@@ -307,13 +308,12 @@ class DirectoryService:
         to the deepest chain this cluster may build (:mod:`~dask_hoplite.core.block_size`)."""
         c = self.config
         return fitted_block(
+            c.block_size_for(nbytes // parts),
             nbytes,
             max(0, self._hosts() - 1),
             self.network.estimate().bandwidth,
             c.pipeline_fill,
-            c.block_bytes,
             c.min_block_bytes,
-            c.min_blocks,
             parts,
         )
 

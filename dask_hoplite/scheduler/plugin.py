@@ -28,7 +28,6 @@ from dask_hoplite.compat import (
 )
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.directory import ObjectDirectory
-from dask_hoplite.core.hosts import host_of
 from dask_hoplite.core.measured_sizes import MEASURED_OP, MeasuredSizes
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.dashboard.live import live_state
@@ -190,7 +189,7 @@ class Hoplite(SchedulerPlugin):
             s.tasks.get,
             waiting,
             sizes,
-            hosts=lambda: len({host_of(a) for a in s.workers}),
+            hosts=lambda: len(s.host_info),  # Dask keeps one entry per host with workers
         )
         self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)
