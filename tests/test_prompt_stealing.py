@@ -41,12 +41,20 @@ async def _where_tasks_ran(c, a, n_tasks, nbytes):
     return {w for w, _ in results}
 
 
+def _steals(s) -> str:
+    """What Dask's stealing logged (requests, confirmations, refusals), for a
+    failed assertion to show."""
+    moves = s.plugins["hoplite"].prompt_stealing.moves
+    events = "\n".join(repr(ev) for _, ev in s.get_events("stealing"))
+    return f"{moves} prompt moves; Dask's stealing log:\n{events}"
+
+
 @gen_cluster(client=True, nthreads=[("", 1)] * 3, config=SMALL)
 async def test_tasks_needing_a_large_key_spread_to_idle_workers_at_once(c, s, a, b, d):
     """Dask places all six on x's only holder; the idle workers get theirs
     without waiting for work stealing's tick (an hour here)."""
     where = await _where_tasks_ran(c, a, 6, 1 << 20)
-    assert where == {a.address, b.address, d.address}
+    assert where == {a.address, b.address, d.address}, _steals(s)
     assert s.plugins["hoplite"].prompt_stealing.moves >= 1
 
 
