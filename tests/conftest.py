@@ -11,12 +11,6 @@ from distributed import Client, LocalCluster
 import dask_hoplite as dh
 from dask_hoplite.compat import worker_addresses
 
-# Each worker of the suite's hundreds of clusters would otherwise fault in a
-# reserve of receive memory as it starts (hoplite.buffer-pool-reserve: auto,
-# 1/16 of its memory limit): seconds of CPU across the suite for transfers of
-# a few MiB. The tests of the reserve set it themselves.
-dask.config.set({"hoplite.buffer-pool-reserve": 0})
-
 #: How many of the largest modules, classes and functions the run lists.
 LARGEST_ROOMS = 5
 
