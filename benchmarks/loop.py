@@ -1,0 +1,166 @@
+"""A broadcast loop run back to back, as a training or serving loop runs it,
+on an emulated cluster: hoplite against Dask's default, in the same sitting.
+
+Each repetition makes its source on the first worker and, without waiting for
+it, submits one consumer pinned to each other worker, one ``client.submit``
+at a time as user code does; the next repetition starts the moment the last
+consumer's result is back and the repetition's futures are dropped: no pause,
+no source made ahead of time. A repetition's time runs from the moment the
+scheduler learned its source was made to the moment it learned the last
+consumer finished (both read from the scheduler's own transition log, one
+clock), so the source's own compute is not counted and the client's latency
+is not either. Each method runs on ``--clusters`` fresh clusters; the first
+repetition on each is cold, the rest are pooled as warm.
+
+    sudo python benchmarks/loop.py --workers 8 --rate-mbit 250 --sizes 64MiB --reps 20
+
+Every time is reported as a ratio to S/B (every receiver's NIC must carry S
+bytes). Needs root and iproute2 (see ``emulation.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dask.utils import format_bytes, parse_bytes  # noqa: E402
+
+from benchmarks.broadcast import ROOT, quantile  # noqa: E402
+from benchmarks.emulation import EmulatedCluster  # noqa: E402
+from benchmarks.objects import MAKERS, fingerprint  # noqa: E402
+
+METHODS = ("dask", "hoplite")
+
+
+@dataclass
+class LoopResult:
+    method: str
+    n_workers: int
+    size: int
+    rate_mbit: float
+    bound: float
+    #: Per fresh cluster, every repetition's seconds, the cold one first.
+    clusters: list[list[float]] = field(default_factory=list)
+    ok: bool = True
+    note: str = ""
+
+    @property
+    def warm(self) -> list[float]:
+        return sorted(t for c in self.clusters for t in c[1:])
+
+    @property
+    def cold(self) -> list[float]:
+        return [c[0] for c in self.clusters if c]
+
+
+def _memory_at(dask_scheduler: Any, keys: list[Any]) -> dict[Any, float]:
+    """When the scheduler moved each of ``keys`` to memory (its transition
+    log's timestamp; the last such moment)."""
+    out: dict[Any, float] = {}
+    for key in keys:
+        for entry in dask_scheduler.story(key):
+            # (key, start, finish, recommendations, stimulus_id, timestamp)
+            if entry[0] == key and entry[2] == "memory":
+                out[key] = entry[-1]
+    return out
+
+
+def one_cluster(ec: EmulatedCluster, method: str, size: int, reps: int) -> tuple[list[float], str]:
+    """``reps + 1`` repetitions back to back on a fresh Dask cluster: their
+    seconds, and a note ("" when every consumer saw the source's bytes)."""
+    from distributed import Client, wait
+
+    import dask_hoplite
+
+    env = {
+        "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    }
+    ec.start_dask(env=env)
+    times: list[float] = []
+    note = ""
+    try:
+        with Client(ec.scheduler_address, timeout=60) as client:
+            if method == "hoplite":
+                client.register_plugin(dask_hoplite.Hoplite())
+            workers = ec.worker_addresses(client)
+            src, receivers = workers[0], workers[1:]
+            for rep in range(reps + 1):
+                x = client.submit(MAKERS["array"], size, rep, workers=[src], pure=False)
+                got = [
+                    client.submit(
+                        fingerprint, x, workers=[w], pure=False, allow_other_workers=False
+                    )
+                    for w in receivers
+                ]
+                wait(got)
+                keys = [x.key, *(g.key for g in got)]
+                at = client.run_on_scheduler(_memory_at, keys=keys)
+                if len(at) != len(keys):
+                    note = f"repetition {rep}: no memory transition logged for some keys"
+                times.append(max(at[g.key] for g in got) - at[x.key])
+                results = client.gather(got)
+                if len({tuple(r) for r in results}) != 1:
+                    note = f"repetition {rep}: consumers saw different bytes"
+                del x, got, results
+    finally:
+        ec.stop_dask()
+    return times, note
+
+
+def print_table(results: list[LoopResult]) -> None:
+    print(
+        f"{'method':<8} {'N':>3} {'S':>10} {'rate':>9} {'S/B s':>6} {'runs':>4} {'warm':>4} "
+        f"{'cold (each run)':<18} {'p50':>5} {'p90':>5} {'max':>5}  note"
+    )
+    for r in results:
+        w = r.warm
+        cold = " ".join(f"{c / r.bound:.2f}" for c in r.cold)
+        row = [quantile(w, q) / r.bound for q in (0.5, 0.9, 1.0)] if w else [float("nan")] * 3
+        print(
+            f"{r.method:<8} {r.n_workers:>3} {format_bytes(r.size):>10} "
+            f"{r.rate_mbit:>6.0f}Mb/s {r.bound:>6.3f} {len(r.clusters):>4} {len(w):>4} "
+            f"{cold:<18} {row[0]:>5.2f} {row[1]:>5.2f} {row[2]:>5.2f}  {r.note}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--rate-mbit", type=float, default=250)
+    p.add_argument("--sizes", nargs="+", type=parse_bytes, default=[parse_bytes("64MiB")])
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--reps", type=int, default=20, help="warm repetitions per cluster")
+    p.add_argument("--clusters", type=int, default=3, help="fresh clusters per method")
+    p.add_argument("--out", default="benchmarks/results/loop")
+    args = p.parse_args(argv)
+    results: list[LoopResult] = []
+    with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit) as ec:
+        ec.enter_namespace("sched")
+        for size in args.sizes:
+            for method in args.methods:
+                r = LoopResult(method, ec.n_workers, size, ec.rate_mbit, size / ec.rate_bytes_per_s)
+                for _ in range(args.clusters):
+                    times, note = one_cluster(ec, method, size, args.reps)
+                    r.clusters.append(times)
+                    if note:
+                        r.ok, r.note = False, note
+                    print(f"# {method} {format_bytes(size)}: {[round(t, 3) for t in times]}")
+                results.append(r)
+    print()
+    print_table(results)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump([asdict(r) for r in results], f, indent=1)
+    print(f"\nwrote {args.out}.json")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
