@@ -45,6 +45,15 @@ from benchmarks.objects import MAKERS, fingerprint  # noqa: E402
 #: ``benchmarks.objects`` by reference, and a result's class must import there.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of a benchmark cluster's processes: workers that may
+    start processes of their own, and the repository on the import path;
+    plus ``extra``."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {"DASK_DISTRIBUTED__WORKER__DAEMON": "False", "PYTHONPATH": path, **extra}
+
+
 #: "hoplite": tasks on every receiver that share the dependency (the
 #: transparent path); "hoplite-collective": dask_hoplite.broadcast(x) with
 #: its defaults (hoplite.broadcast.parts).
@@ -104,10 +113,7 @@ def measure(
     import dask_hoplite
 
     make = MAKERS[obj]
-    env = {
-        "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
-        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-    }
+    env = worker_env()
     if timelines:
         env["DASK_HOPLITE__TIMELINES"] = "True"
     recorded: list[tuple[float, dict[str, Any]]] = []  # (wall start, timelines) per rep

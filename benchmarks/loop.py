@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
-from benchmarks.broadcast import ROOT, quantile  # noqa: E402
+from benchmarks.broadcast import quantile, worker_env  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 from benchmarks.objects import MAKERS, fingerprint  # noqa: E402
 
@@ -62,12 +62,13 @@ class LoopResult:
 def _memory_at(dask_scheduler: Any, keys: list[Any]) -> dict[Any, float]:
     """When the scheduler moved each of ``keys`` to memory (its transition
     log's timestamp; the last such moment)."""
+    wanted = set(keys)
     out: dict[Any, float] = {}
-    for key in keys:
-        for entry in dask_scheduler.story(key):
-            # (key, start, finish, recommendations, stimulus_id, timestamp)
-            if entry[0] == key and entry[2] == "memory":
-                out[key] = entry[-1]
+    # One pass over the log: (key, start, finish, recommendations,
+    # stimulus_id, timestamp), oldest first.
+    for entry in dask_scheduler.story(*keys):
+        if entry[0] in wanted and entry[2] == "memory":
+            out[entry[0]] = entry[-1]
     return out
 
 
@@ -78,11 +79,7 @@ def one_cluster(ec: EmulatedCluster, method: str, size: int, reps: int) -> tuple
 
     import dask_hoplite
 
-    env = {
-        "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
-        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-    }
-    ec.start_dask(env=env)
+    ec.start_dask(env=worker_env())
     times: list[float] = []
     note = ""
     try:

@@ -48,10 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
-from benchmarks.broadcast import quantile  # noqa: E402
+from benchmarks.broadcast import quantile, worker_env  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = ("gridsearch", "merge", "model")
 METHODS = ("dask", "hoplite")
 #: Parameter values of the grid search; with 2 folds, 16 fits.
@@ -260,13 +259,7 @@ def run(ec: EmulatedCluster, workload: str, method: str, args: argparse.Namespac
 
     import dask_hoplite
 
-    env = {
-        "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
-        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
+    env = worker_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if workload == "prescattered":
         env["DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START"] = "False"
     ec.start_dask(env=env)
