@@ -6,14 +6,11 @@ has both); skipped elsewhere."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
+from benchmark_scripts import ROOT, run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import emulation  # noqa: E402
 
@@ -23,14 +20,14 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(not ok, re
 
 @pytest.mark.timeout(600)
 def test_the_loop_runs_back_to_back_on_fresh_clusters_for_both_methods(tmp_path):
-    out = str(tmp_path / "loop")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "loop.py")]
-    cmd += ["--workers", "3", "--rate-mbit", "1000", "--sizes", "4MiB"]
-    cmd += ["--reps", "2", "--clusters", "2", "--out", out]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=580, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    with open(out + ".json") as f:
-        rows = {r["method"]: r for r in json.load(f)}
+    done, found = run_script(
+        "loop.py",
+        str(tmp_path / "loop"),
+        580,
+        *("--workers", "3", "--rate-mbit", "1000", "--sizes", "4MiB"),
+        *("--reps", "2", "--clusters", "2"),
+    )
+    rows = {r["method"]: r for r in found}
     assert set(rows) == {"dask", "hoplite"}
     for r in rows.values():
         assert r["ok"], r["note"]

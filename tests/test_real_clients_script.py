@@ -6,14 +6,11 @@ iproute2 (CI has both); skipped elsewhere."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
+from benchmark_scripts import ROOT, run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import emulation  # noqa: E402
 
@@ -24,12 +21,13 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(not ok, re
 def _run(out: str, timeout: float, *args: str) -> tuple[str, dict[str, dict]]:
     """The script on 3 emulated workers at 1 Gbit/s, one warm repetition:
     its output, and its rows by op."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "real_clients.py")]
-    cmd += ["--workers", "3", "--rate-mbit", "1000", "--reps", "1", "--out", out, *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    with open(out + ".json") as f:
-        return done.stdout, {r["op"]: r for r in json.load(f)}
+    done, rows = run_script(
+        "real_clients.py",
+        out,
+        timeout,
+        *("--workers", "3", "--rate-mbit", "1000", "--reps", "1", *args),
+    )
+    return done.stdout, {r["op"]: r for r in rows}
 
 
 @pytest.mark.timeout(900)

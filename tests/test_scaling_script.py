@@ -5,14 +5,11 @@ namespaces, real processes): a run of one configuration and a run of several
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
+from benchmark_scripts import ROOT, run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import emulation  # noqa: E402
 
@@ -21,15 +18,13 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(not ok, re
 
 
 def _run(tmp_path, *configs):
-    out = str(tmp_path / "scaling")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "scaling.py"), "--configs", *configs]
-    cmd += ["--collectives", "broadcast", "--broadcast-methods", "hoplite"]
-    cmd += ["--size", "8MiB", "--reps", "1", "--out", out]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    with open(out + ".json") as f:
-        rows = json.load(f)
-    return done, rows
+    return run_script(
+        "scaling.py",
+        str(tmp_path / "scaling"),
+        600,
+        *("--configs", *configs, "--collectives", "broadcast", "--broadcast-methods", "hoplite"),
+        *("--size", "8MiB", "--reps", "1"),
+    )
 
 
 @pytest.mark.timeout(700)
