@@ -67,6 +67,7 @@ class Host:
     netns: str
     address: str  # IPv4 address of its NIC
     procs: list[subprocess.Popen] = field(default_factory=list)
+    port: str = ""  # its NIC's other end, on the switch
 
 
 _LIVE: list[EmulatedCluster] = []
@@ -149,8 +150,8 @@ class EmulatedCluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _tbf(self, netns: str, dev: str) -> None:
-        rate_bps = self.rate_mbit * 1e6
+    def _tbf(self, netns: str, dev: str, rate_mbit: float | None = None) -> None:
+        rate_bps = (self.rate_mbit if rate_mbit is None else rate_mbit) * 1e6
         burst = int(max(0.002 * rate_bps / 8, 96 * 1024))  # room for GSO super-packets
         _run(
             "ip",
@@ -198,7 +199,14 @@ class EmulatedCluster:
             _run(*sw, "link", "set", port, "up")
             self._tbf(ns, "eth0")
             self._tbf(self.switch, port)
-            self.hosts[role] = Host(role, ns, addr)
+            self.hosts[role] = Host(role, ns, addr, port=port)
+
+    def set_rate(self, role: str, rate_mbit: float | None = None) -> None:
+        """Host ``role``'s NIC at ``rate_mbit`` both ways (None: the
+        cluster's rate again), as a host whose link degrades mid-run."""
+        h = self.hosts[role]
+        self._tbf(h.netns, "eth0", rate_mbit)
+        self._tbf(self.switch, h.port, rate_mbit)
 
     # ---------------------------------------------------------- processes
 

@@ -47,6 +47,12 @@ class LoopResult:
     bound: float
     #: Per fresh cluster, every repetition's seconds, the cold one first.
     clusters: list[list[float]] = field(default_factory=list)
+    #: Per fresh cluster, the relays hoplite moved out of a chain for lagging
+    #: (its "slow-relay" events; none belong in a loop without a fault).
+    reroutes: list[int] = field(default_factory=list)
+    #: Per fresh cluster, the lowest share of its sender's rate hoplite judged
+    #: any relay at (``hoplite.broadcast.slow-relay.ratio`` reroutes below it).
+    closest: list[float] = field(default_factory=list)
     ok: bool = True
     note: str = ""
 
@@ -72,9 +78,13 @@ def _memory_at(dask_scheduler: Any, keys: list[Any]) -> dict[Any, float]:
     return out
 
 
-def one_cluster(ec: EmulatedCluster, method: str, size: int, reps: int) -> tuple[list[float], str]:
+def one_cluster(
+    ec: EmulatedCluster, method: str, size: int, reps: int
+) -> tuple[list[float], str, int, float]:
     """``reps + 1`` repetitions back to back on a fresh Dask cluster: their
-    seconds, and a note ("" when every consumer saw the source's bytes)."""
+    seconds, a note ("" when every consumer saw the source's bytes), the
+    relays hoplite rerouted around, and the lowest share of its sender's rate
+    it judged a relay at."""
     from distributed import Client, wait
 
     import dask_hoplite
@@ -82,6 +92,7 @@ def one_cluster(ec: EmulatedCluster, method: str, size: int, reps: int) -> tuple
     ec.start_dask(env=worker_env())
     times: list[float] = []
     note = ""
+    reroutes, closest = 0, float("nan")
     try:
         with Client(ec.scheduler_address, timeout=60) as client:
             if method == "hoplite":
@@ -106,15 +117,26 @@ def one_cluster(ec: EmulatedCluster, method: str, size: int, reps: int) -> tuple
                 if len({tuple(r) for r in results}) != 1:
                     note = f"repetition {rep}: consumers saw different bytes"
                 del x, got, results
+            events = client.get_events("hoplite")
+            reroutes = sum(1 for _, e in events if e.get("action") == "slow-relay")
+            if method == "hoplite":
+                closest = client.run_on_scheduler(_closest_relay)
     finally:
         ec.stop_dask()
-    return times, note
+    return times, note, reroutes, closest
+
+
+def _closest_relay(dask_scheduler: Any) -> float:
+    """The lowest share of its sender's rate hoplite judged a relay at."""
+    closest = dask_scheduler.plugins["hoplite"].service.info()["relay_closest"]
+    return float("nan") if closest is None else float(closest)
 
 
 def print_table(results: list[LoopResult]) -> None:
     print(
         f"{'method':<8} {'N':>3} {'S':>10} {'rate':>9} {'S/B s':>6} {'runs':>4} {'warm':>4} "
-        f"{'cold (each run)':<18} {'p50':>5} {'p90':>5} {'max':>5}  note"
+        f"{'cold (each run)':<18} {'p50':>5} {'p90':>5} {'max':>5} {'reroutes':>8} "
+        f"{'closest':>7}  note"
     )
     for r in results:
         w = r.warm
@@ -123,7 +145,8 @@ def print_table(results: list[LoopResult]) -> None:
         print(
             f"{r.method:<8} {r.n_workers:>3} {format_bytes(r.size):>10} "
             f"{r.rate_mbit:>6.0f}Mb/s {r.bound:>6.3f} {len(r.clusters):>4} {len(w):>4} "
-            f"{cold:<18} {row[0]:>5.2f} {row[1]:>5.2f} {row[2]:>5.2f}  {r.note}"
+            f"{cold:<18} {row[0]:>5.2f} {row[1]:>5.2f} {row[2]:>5.2f} {sum(r.reroutes):>8} "
+            f"{min((c for c in r.closest if c == c), default=float('nan')):>7.2f}  {r.note}"
         )
 
 
@@ -144,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             for method in args.methods:
                 r = LoopResult(method, ec.n_workers, size, ec.rate_mbit, size / ec.rate_bytes_per_s)
                 for _ in range(args.clusters):
-                    times, note = one_cluster(ec, method, size, args.reps)
+                    times, note, reroutes, closest = one_cluster(ec, method, size, args.reps)
                     r.clusters.append(times)
+                    r.reroutes.append(reroutes)
+                    r.closest.append(closest)
                     if note:
                         r.ok, r.note = False, note
                     print(f"# {method} {format_bytes(size)}: {[round(t, 3) for t in times]}")

@@ -121,6 +121,14 @@ class HopliteConfig:
     broadcast_ranges: int | None  # None: "auto" (core/shape_choice.py)
     plan_wait: float
     pipeline_fill: float  # share of S/B a chain's pipeline fill may cost (core/block_size.py)
+    #: A relay below this share of its sender's rate is rerouted (0: off;
+    #: core/relay_rates.py), judged over ``slow_relay_window`` seconds of
+    #: progress reports sent every ``slow_relay_interval`` seconds, its
+    #: sender at least ``slow_relay_min_lag`` bytes ahead.
+    slow_relay_ratio: float
+    slow_relay_window: float
+    slow_relay_interval: float
+    slow_relay_min_lag: int
     reduce_parts: int | None  # None: "auto" (core/shape_choice.py)
     #: How a running reduce tree repairs a dead node: "replace", "spread", or
     #: "auto" (spread in a reduce in parts, replace in one tree):
@@ -158,6 +166,18 @@ class HopliteConfig:
         fill = float(_get("broadcast.pipeline-fill"))
         if not 0 < fill <= 1:
             raise ValueError(f"hoplite.broadcast.pipeline-fill must be in (0, 1], got {fill}")
+        slow_ratio = float(_get("broadcast.slow-relay.ratio"))
+        if not 0 <= slow_ratio < 1:
+            raise ValueError(
+                f"hoplite.broadcast.slow-relay.ratio must be in [0, 1), got {slow_ratio}"
+            )
+        slow_window = _seconds("broadcast.slow-relay.window")
+        slow_interval = _seconds("broadcast.slow-relay.report-interval")
+        if not 0 < slow_interval <= slow_window:
+            raise ValueError(
+                "hoplite.broadcast.slow-relay.report-interval must be positive and at most "
+                f"its window (got {slow_interval} and {slow_window})"
+            )
         max_inputs = int(_get("array.max-inputs"))
         if max_inputs < 2:
             raise ValueError(f"hoplite.array.max-inputs must be >= 2, got {max_inputs}")
@@ -198,6 +218,10 @@ class HopliteConfig:
             broadcast_ranges=ranges,
             plan_wait=_seconds("broadcast.plan-wait"),
             pipeline_fill=fill,
+            slow_relay_ratio=slow_ratio,
+            slow_relay_window=slow_window,
+            slow_relay_interval=slow_interval,
+            slow_relay_min_lag=_bytes("broadcast.slow-relay.min-lag"),
             reduce_parts=reduce_parts,
             reduce_repair=repair,
         )

@@ -66,6 +66,8 @@ def test_environment_override(monkeypatch):
         ({"hoplite.array.max-inputs": 1}, "max-inputs"),
         ({"hoplite.reduce.latency": "0s"}, "reduce.latency"),
         ({"hoplite.reduce.repair": "rebuild"}, "'auto', 'replace' or 'spread', got 'rebuild'"),
+        ({"hoplite.broadcast.slow-relay.ratio": 1}, r"slow-relay.ratio must be in \[0, 1\)"),
+        ({"hoplite.broadcast.slow-relay.report-interval": "1s"}, "at most its window"),
     ],
 )
 def test_bad_settings_are_named(setting, match):

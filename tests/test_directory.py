@@ -13,6 +13,7 @@ from dask_hoplite.core.directory import (
     ObjectDirectory,
     ObjectRecord,
     Queued,
+    Reroute,
     host_of,
 )
 
@@ -190,6 +191,7 @@ events = st.lists(
         st.tuples(st.just("forget"), keys),
         st.tuples(st.just("lost"), keys),
         st.tuples(st.just("cancel"), keys, workers),
+        st.tuples(st.just("reroute"), keys, workers),
     ),
     max_size=60,
 )
@@ -271,6 +273,20 @@ def test_invariants_hold_under_any_event_sequence(fanout, evs):
             assert rec is None or not (rec.complete or rec.holders or rec.queue)
         elif kind == "cancel":
             d.cancel_request(ev[1], ev[2])
+        elif kind == "reroute":
+            rec = d.objects.get(ev[1])
+            moved = d.reroute(ev[1], ev[2])
+            # the relay's own stream and its receivers' streams end, nothing else
+            assert all(r.transfer_id not in d.transfers for r in moved)
+            assert {r.receiver for r in moved[:-1]} <= {ev[2]} | set(
+                () if rec is None else rec.incoming
+            )
+            assert all(r.sender == ev[2] for r in moved[:-1])
+            for r in moved:  # each asks again, without the sender if it lags
+                gone = [r.sender] if r.sender_lags else []
+                excluded[(r.key, r.receiver)] = set(gone)
+                check([d.request(r.key, r.receiver, rec.holders if rec else (), gone)])
+                check(d.drain(r.key))
         check_invariants(d)
     # Dask forgetting every key leaves nothing behind.
     for key in list(d.objects):
@@ -387,3 +403,67 @@ def test_a_receiver_waits_for_its_hosts_copy_rather_than_cross_the_nic_twice():
     # for b rather than pull the key into the host a second time.
     assert d.request(K, b3, holders=[src], exclude=[b2]) == Queued(K, b3)
     assert d.transfer_finished(t2.transfer_id, ok=True) == [Assign(K, b3, b, 3)]
+
+
+# ------------------------------------------------------------ lagging relays
+
+
+def chain(n: int) -> ObjectDirectory:
+    """src -> r0 -> r1 -> ... -> r(n-1), all streaming."""
+    d = ObjectDirectory(fanout=1)
+    for i in range(n):
+        assert d.request(K, f"r{i}", holders=["src"]).sender == ("src" if i == 0 else f"r{i - 1}")
+    return d
+
+
+@pytest.mark.parametrize("relay_first", [True, False])
+@pytest.mark.parametrize("n, relay", [(5, "r2"), (4, "r2"), (5, "r0")])
+def test_a_lagging_relay_leaves_its_chain_for_the_tail_and_its_receiver_takes_its_place(
+    relay_first, n, relay
+):
+    d = chain(n)
+    i = int(relay[1:])
+    before, child, tail = ("src" if i == 0 else f"r{i - 1}"), f"r{i + 1}", f"r{n - 1}"
+    moved = d.reroute(K, relay)
+    # The child drops its stream from the relay (which lags), the relay its own.
+    assert moved == [
+        Reroute(K, child, relay, moved[0].transfer_id, sender_lags=True),
+        Reroute(K, relay, before, moved[1].transfer_id, sender_lags=False),
+    ]
+    asks = [(relay, []), (child, [relay])]
+    senders = {}
+    for receiver, exclude in asks if relay_first else asks[::-1]:
+        decision = d.request(K, receiver, holders=["src"], exclude=exclude)
+        for a in [decision, *d.drain(K)]:
+            if isinstance(a, Assign):
+                senders[a.receiver] = a.sender
+    # The chain closes over the gap, and the relay hangs below its tail.
+    assert senders == {child: before, relay: tail}
+    assert list(d.upstream(K, relay))[0] == tail
+    assert relay not in d.upstream(K, tail)
+    check_invariants(d)
+
+
+def test_a_lagging_relay_serves_nobody_else_while_another_copy_can():
+    d = chain(4)
+    d.reroute(K, "r1")
+    d.request(K, "r2", holders=["src"], exclude=["r1"])  # r0 -> r2
+    d.request(K, "r1", holders=["src"])  # r3 -> r1
+    # A newcomer waits rather than hang below r1 (the tail, which lags).
+    assert isinstance(d.request(K, "r4", holders=["src"]), Queued)
+    # r1 serves once it is the only copy that can.
+    d.cancel_request(K, "r4")
+    for r in ["r0", "r2", "r3"]:
+        d.transfer_finished(d.objects[K].incoming[r].transfer_id, ok=False)
+    d.copy_released(K, "src")
+    b = d.request(K, "r5", holders=[])
+    assert isinstance(b, Assign) and b.sender == "r1"
+
+
+def test_rerouting_a_leaf_or_an_unknown_key_does_nothing_to_others():
+    d = chain(3)
+    assert d.reroute("unknown", "r0") == []
+    assert d.reroute(K, "nobody") == []
+    moved = d.reroute(K, "r2")  # the tail: only its own stream
+    assert [(m.receiver, m.sender) for m in moved] == [("r2", "r1")]
+    assert set(d.objects[K].incoming) == {"r0", "r1"}

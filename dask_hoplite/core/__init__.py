@@ -11,6 +11,8 @@ events, returning decisions, with no sockets and no event loop inside.
 * :mod:`~dask_hoplite.core.planner`: the shape of a reduce tree;
 * :mod:`~dask_hoplite.core.shape_choice`: one tree or split trees, and how many parts;
 * :mod:`~dask_hoplite.core.block_size`: the block a stream reads, fitted to its chain's depth;
+* :mod:`~dask_hoplite.core.relay_rates`: streams' receive rates, and the relays that
+  hold a chain back;
 * :mod:`~dask_hoplite.core.reduce_plan`: how one reduction runs once its inputs are ready;
 * :mod:`~dask_hoplite.core.allreduce_outputs`: an allreduce's outputs, one per input:
   which worker makes each and how (root, copy, part, pull, alias);

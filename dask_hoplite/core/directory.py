@@ -36,6 +36,10 @@ The rules follow Hoplite (Zhuang et al., SIGCOMM 2021):
   planned as one part of a split-tree broadcast and asked for by range
   (:func:`~dask_hoplite.core.byte_ranges.range_key`); Dask's events about the
   key (a copy added, released, lost, forgotten) reach every range.
+* A relay that holds its chain back (its rate, :mod:`dask_hoplite.core.relay_rates`)
+  is moved out of the way (:meth:`ObjectDirectory.reroute`): its receivers
+  resume from its sender, and it resumes as a leaf wherever a sender has
+  spare upload; it serves nobody else of that key while another copy can.
 * When Dask loses every complete copy (its holders died), the partial copies
   keep streaming from one another and stay on record: the recomputed copy
   and the receivers that come back join the tree that is still running.
@@ -84,6 +88,19 @@ class Missing:
     receiver: str
 
 
+@dataclass(frozen=True)
+class Reroute:
+    """Decision: ``receiver`` must drop its stream of ``key`` from ``sender``
+    (``transfer_id``) and ask again from the byte it reached: without
+    ``sender`` if ``sender_lags``, else as the lagging relay itself."""
+
+    key: Key
+    receiver: str
+    sender: str
+    transfer_id: int
+    sender_lags: bool
+
+
 Decision = Assign | Queued | Missing
 
 
@@ -125,6 +142,9 @@ class ObjectRecord:
     planned: dict[str, str] = field(default_factory=dict)
     #: All parts of that broadcast (this key among them); empty otherwise.
     siblings: tuple[Key, ...] = ()
+    #: Relays moved out of the chain for lagging (:meth:`ObjectDirectory.reroute`):
+    #: senders of last resort.
+    slow: set[str] = field(default_factory=set)
 
     def copies(self) -> set[str]:
         return self.complete | self.holders
@@ -240,13 +260,66 @@ class ObjectDirectory:
         self._maybe_drop(rec)
         return decisions
 
+    def reroute(self, key: Key, relay: str) -> list[Reroute]:
+        """``relay`` holds its chain of ``key`` back (its rate fell well below
+        its sender's): its receivers drop their streams from it, the first
+        of them planned onto ``relay``'s own sender (whose upload this frees),
+        the others served by the usual rules; ``relay`` drops its own stream
+        and is planned as a leaf below a copy with spare upload
+        (:meth:`_leaf_for`: for a chain, its tail). Both ends ask again, and
+        ``relay`` serves nobody else of ``key`` while another copy can. The
+        last decision is ``relay``'s own."""
+        rec = self.objects.get(key)
+        t = None if rec is None else rec.incoming.get(relay)
+        if rec is None or t is None:
+            return []
+        rec.slow.add(relay)
+        out = []
+        children = [c for c in rec.incoming.values() if c.sender == relay]
+        for i, child in enumerate(children):
+            self._end_transfer(rec, child)
+            if i == 0:
+                rec.planned[child.receiver] = t.sender
+            out.append(Reroute(key, child.receiver, relay, child.transfer_id, sender_lags=True))
+        self._end_transfer(rec, t)
+        leaf = self._leaf_for(rec, relay, [c.receiver for c in children], t.sender)
+        if leaf is not None:
+            rec.planned[relay] = leaf
+        out.append(Reroute(key, relay, t.sender, t.transfer_id, sender_lags=False))
+        self._maybe_drop(rec)
+        return out
+
+    def _leaf_for(self, rec: ObjectRecord, relay: str, moved: list[str], kept: str) -> str | None:
+        """Where a relay moved out of its chain goes: an idle complete copy,
+        else the deepest partial copy with spare upload (a receiver in
+        ``moved``, whose streams were just cut, counts as one once it has no
+        receivers of its own); never ``kept``, the relay's sender, whose
+        upload its receivers take; None: the usual rules, later."""
+        idle = sorted(
+            a
+            for a in rec.copies() - rec.slow - {relay, kept}
+            if rec.uploads.get(a, 0) < self.fanout and a not in rec.incoming
+        )
+        if idle:
+            return idle[0]
+        spare = [
+            (t.depth, t.receiver)
+            for t in rec.incoming.values()
+            if t.receiver not in rec.slow | {kept} and rec.uploads.get(t.receiver, 0) < self.fanout
+        ]
+        spare += [(0, m) for m in moved if not rec.uploads.get(m, 0)]
+        return max(spare)[1] if spare else None
+
     def drain(self, key: Key) -> list[Decision]:
         """Serve the receivers of ``key`` planned to stream from a sender
         that was just assigned (call it after a request that got an
-        ``Assign``); nothing for a key without a plan, whose queue only moves
-        when a stream ends or a copy is added."""
+        ``Assign``), and a rerouted relay waiting for a spare upload (the
+        receiver just assigned has one); nothing otherwise, as a key's queue
+        only moves when a stream ends or a copy is added."""
         rec = self.objects.get(key)
-        return [] if rec is None or not rec.planned else self._drain(rec)
+        if rec is None or not (rec.planned or (rec.slow and rec.queue)):
+            return []
+        return self._drain(rec)
 
     def waits_for_plan(self, key: Key, receiver: str) -> bool:
         """Whether ``receiver`` is queued for its planned sender of ``key``."""
@@ -384,6 +457,14 @@ class ObjectDirectory:
     def _assign(
         self, rec: ObjectRecord, receiver: str, exclude: frozenset[str] = frozenset()
     ) -> Decision:
+        if rec.slow - exclude - {receiver}:
+            # Relays moved out for lagging serve only when nobody else can.
+            decision = self._assign_from(rec, receiver, exclude | rec.slow)
+            if not isinstance(decision, Missing):
+                return decision
+        return self._assign_from(rec, receiver, exclude)
+
+    def _assign_from(self, rec: ObjectRecord, receiver: str, exclude: frozenset[str]) -> Decision:
         if receiver in rec.planned:
             planned = self._planned(rec, receiver, exclude)
             if planned is not None:
@@ -444,6 +525,8 @@ class ObjectDirectory:
         t = rec.incoming.get(planned)
         if planned in exclude:
             pass  # given up on
+        elif not rec.siblings and not self._has_room(rec, planned, receiver):
+            pass  # a reroute's plan, its sender's upload taken meanwhile
         elif t is not None:
             if t.sender not in exclude and not self._depends_on(rec, planned, receiver):
                 return self._start(rec, planned, receiver, depth=t.depth + 1)
@@ -478,6 +561,14 @@ class ObjectDirectory:
             best = min(candidates, key=lambda t: (t.depth, t.transfer_id))
             return self._start(rec, best.receiver, receiver, depth=best.depth + 1)
         return Queued(rec.key, receiver)
+
+    def _has_room(self, rec: ObjectRecord, sender: str, receiver: str) -> bool:
+        """Whether ``sender`` may start one more stream to ``receiver`` within
+        the fan-out (per NIC across hosts, per holder within one)."""
+        return all(
+            counts.get(name, 0) < self.fanout
+            for counts, name in _counters(rec, sender, receiver)[1:]
+        )
 
     def _depends_on(self, rec: ObjectRecord, node: str, receiver: str) -> bool:
         """True if ``node`` streams (directly or through relays) from ``receiver``."""

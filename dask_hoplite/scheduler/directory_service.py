@@ -4,7 +4,9 @@ The directory decides, as plain data, who streams a large key to whom; it
 never waits and never talks to anyone. This module is the part that does:
 it answers workers' ``hoplite_request`` (parking a request in the directory's
 queue until a sender frees up, or ``hoplite.directory.queue-timeout``), takes
-their ``hoplite-finished`` / ``hoplite-released`` stream messages, feeds it
+their ``hoplite-finished`` / ``hoplite-released`` / ``hoplite-progress`` stream
+messages (the last judges relays by their rate, :mod:`~dask_hoplite.core.relay_rates`,
+and tells the workers of a lagging one's streams to reroute), feeds it
 Dask's own events (a key's state changed, a worker left), hands each decision
 to the request waiting for it, and reports its state (``hoplite_info``).
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -26,11 +29,19 @@ from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.block_size import fitted_block
 from dask_hoplite.core.byte_ranges import range_key
-from dask_hoplite.core.directory import Assign, Decision, Missing, ObjectDirectory, Queued
+from dask_hoplite.core.directory import (
+    Assign,
+    Decision,
+    Missing,
+    ObjectDirectory,
+    Queued,
+    Reroute,
+)
 from dask_hoplite.core.hosts import host_of
 from dask_hoplite.core.measured_sizes import MeasuredSizes
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.core.protocol import PROTOCOL_VERSION
+from dask_hoplite.core.relay_rates import REROUTE_OP, RelayRates
 from dask_hoplite.core.shape_choice import choose_parts
 
 if TYPE_CHECKING:
@@ -64,6 +75,10 @@ class DirectoryService:
     when a newly registered plugin takes over (their decisions still reach them).
     ``hosts`` counts the cluster's hosts (the deepest a chain may become is
     every other one: the block each stream reads is fitted to it).
+    ``send(worker, msg)`` sends a message on the scheduler's stream to a
+    worker, and ``log_event(topic, msg)`` is the scheduler's: with both, a
+    relay that lags is rerouted (``hoplite.broadcast.slow-relay``).
+    ``clock``: seconds, for the rates of progress reports.
     """
 
     def __init__(
@@ -75,8 +90,22 @@ class DirectoryService:
         waiting: Waiting | None = None,
         sizes: MeasuredSizes | None = None,
         hosts: Callable[[], int] = lambda: 1,
+        send: Callable[[str, dict[str, Any]], None] | None = None,
+        log_event: Callable[[str, Any], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory = directory
+        self._send = send
+        self._log_event = log_event
+        self._clock = clock
+        #: Progress reports of running streams, to judge relays; None: off.
+        self.relays: RelayRates | None = None
+        if send is not None and config.slow_relay_ratio > 0:
+            self.relays = RelayRates(
+                config.slow_relay_window, config.slow_relay_ratio, config.slow_relay_min_lag
+            )
+        #: Relays rerouted for lagging, as (key, relay, its sender).
+        self.rerouted: list[tuple[Key, str, str]] = []
         self._hosts = hosts
         self.network = network
         self.config = config
@@ -236,11 +265,82 @@ class DirectoryService:
         a byte range of ``parts`` shared its receiver's NIC with the others,
         so its throughput counts ``parts`` times)."""
         self._act(self.directory.transfer_finished(transfer_id, bool(ok)))
+        if self.relays is not None:
+            self.relays.forget(transfer_id)
+            if len(self.relays) > len(self.directory.transfers) + 64:
+                self.relays.keep_only(self.directory.transfers)
         self.transfers_finished["ok" if ok else "failed"] += 1
         if ok:
             self.bytes_streamed += int(nbytes)
             self.network.observe_transfer(int(nbytes) * max(1, int(parts)), float(seconds))
             self.network.observe_latency(float(latency))
+
+    def progress(
+        self,
+        transfer_id: int,
+        position: int,
+        late: float = 0.0,
+        worker: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Stream ``hoplite-progress``: the receiver of ``transfer_id`` has
+        reached byte ``position``. A relay whose rate says it holds its
+        chain back is moved out of the way (:meth:`ObjectDirectory.reroute`)."""
+        relays, d = self.relays, self.directory
+        t = d.transfers.get(transfer_id)
+        if relays is None or t is None:
+            return
+        relays.observe(transfer_id, int(position), self._clock(), float(late))
+        rec = d.objects.get(t.key)
+        if rec is None or not rec.uploads.get(t.receiver):
+            return  # a leaf holds nobody back
+        parent = rec.incoming.get(t.sender)
+        est = self.network.estimate()
+        reference = est.bandwidth if est.measured else None
+        if not relays.lagging(
+            transfer_id, None if parent is None else parent.transfer_id, reference
+        ):
+            return
+        mine = relays.rate(transfer_id)
+        theirs = relays.rate(parent.transfer_id) if parent is not None else None
+        rate = mine.bytes_per_s if mine else 0.0
+        ref = theirs.bytes_per_s if theirs else reference or 0.0
+        logger.info(
+            "%s lags as a relay of %r (%.3g B/s, its sender %.3g B/s): rerouting around it",
+            t.receiver,
+            t.key,
+            rate,
+            ref,
+        )
+        self.rerouted.append((t.key, t.receiver, t.sender))
+        if self._log_event is not None:
+            self._log_event(
+                "hoplite",
+                {
+                    "action": "slow-relay",
+                    "key": str(t.key),
+                    "relay": t.receiver,
+                    "sender": t.sender,
+                    "rate": rate,
+                    "reference": ref,
+                },
+            )
+        for r in d.reroute(t.key, t.receiver):
+            relays.forget(r.transfer_id)
+            self._tell_reroute(r)
+
+    def _tell_reroute(self, r: Reroute) -> None:
+        assert self._send is not None
+        self._send(
+            r.receiver,
+            {
+                "op": REROUTE_OP,
+                "key": r.key,
+                "sender": r.sender,
+                "transfer_id": r.transfer_id,
+                "sender_lags": r.sender_lags,
+            },
+        )
 
     def plan_split(self, keys: list[Key], receivers: list[str]) -> dict[str, str]:
         """RPC ``hoplite_plan_split``: ``keys`` are the parts of an object
@@ -262,6 +362,10 @@ class DirectoryService:
             "objects": len(d),
             "transfers": len(d.transfers),
             "waiting": len(self.waiting),
+            # how near a relay came to being rerouted (share of its sender's rate)
+            "relay_closest": None if self.relays is None else self.relays.closest,
+            "relay_near": [] if self.relays is None else [list(n) for n in self.relays.near],
+            "rerouted": [[str(k), r, s] for k, r, s in self.rerouted],
             "keys": [
                 {
                     "key": rec.key,

@@ -30,6 +30,7 @@ from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.directory import ObjectDirectory
 from dask_hoplite.core.measured_sizes import MEASURED_OP, MeasuredSizes
 from dask_hoplite.core.network_model import NetworkModel
+from dask_hoplite.core.relay_rates import PROGRESS_OP
 from dask_hoplite.dashboard.live import live_state
 from dask_hoplite.dashboard.page import DashboardRoutes
 from dask_hoplite.features import (
@@ -190,6 +191,8 @@ class Hoplite(SchedulerPlugin):
             waiting,
             sizes,
             hosts=lambda: len(s.host_info),  # Dask keeps one entry per host with workers
+            send=send,
+            log_event=s.log_event,
         )
         self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)
@@ -229,6 +232,7 @@ class Hoplite(SchedulerPlugin):
             "hoplite_plan_split": service.plan_split,
             "hoplite-finished": service.finished,
             "hoplite-released": service.released,
+            PROGRESS_OP: service.progress,
             MEASURED_OP: self.sizes.measured,
             "hoplite-collective": self.collectives.finished,
             "hoplite_network": queries.network_estimate,

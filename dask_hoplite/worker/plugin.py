@@ -32,6 +32,7 @@ from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.buffer_pool import auto_reserve
 from dask_hoplite.core.measured_sizes import SIZES_OP
 from dask_hoplite.core.protocol import STREAM_OP
+from dask_hoplite.core.relay_rates import REROUTE_OP
 from dask_hoplite.core.store import BlockStore, BufferPool
 from dask_hoplite.errors import NotRegistered, VersionMismatch
 from dask_hoplite.features import (
@@ -241,6 +242,9 @@ class HopliteWorker(WorkerPlugin):
             self._patches.append(AttributePatch(worker, "gather_dep", parts.fetch_paths.gather_dep))
             self._patches.append(
                 ItemPatch(worker.stream_handlers, SIZES_OP, parts.measuring.learned)
+            )
+            self._patches.append(
+                ItemPatch(worker.stream_handlers, REROUTE_OP, parts.receiver.reroute)
             )
         if REPLICATE in features:
             self._patches.append(ItemPatch(worker.handlers, "gather", parts.fetch_paths.gather))

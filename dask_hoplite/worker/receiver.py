@@ -37,6 +37,7 @@ from distributed.worker_state_machine import StateMachineEvent
 from dask_hoplite.compat import private
 from dask_hoplite.core.byte_ranges import range_bounds
 from dask_hoplite.core.protocol import PROTOCOL_VERSION, StreamRequest
+from dask_hoplite.core.relay_rates import PROGRESS_OP
 from dask_hoplite.core.store import BufferState, ObjectBuffer
 from dask_hoplite.errors import LayoutChanged, SenderBusy, TransferFailed
 from dask_hoplite.worker import accounting
@@ -60,6 +61,8 @@ _FAILED = object()  # a stream ended without the whole object: resume elsewhere
 _RESTART = object()  # the sender holds another object: start over
 _RANGE_DONE = object()  # a byte range is in
 _BUSY = object()  # the sender is at Dask's limit of transfers out
+_REROUTED = object()  # the directory moved this stream off a lagging relay
+_MOVED = object()  # ... or moved this worker, a lagging relay, out of its chain
 
 
 class Receiver:
@@ -74,6 +77,32 @@ class Receiver:
         #: The sender each key fetched here came from last (this worker's
         #: address for a copy it had already), for Dask's story of the fetch.
         self.senders: dict[Key, str] = {}
+        #: The comms of the streams running here, by transfer id (to drop
+        #: one the directory reroutes), and the transfers it rerouted.
+        self._comms: dict[int, Any] = {}
+        self._rerouted: dict[int, object] = {}
+
+    def reroute(
+        self,
+        key: Key = "",
+        sender: str = "",
+        transfer_id: int = 0,
+        sender_lags: bool = True,
+        **_: Any,
+    ) -> None:
+        """Stream handler ``hoplite-reroute``: the directory moved this
+        worker's stream of ``key`` off ``sender``, as one of the two lags as
+        a relay (:mod:`~dask_hoplite.core.relay_rates`): drop it, and the
+        fetch asks again from the byte it reached, without ``sender`` if
+        ``sender_lags`` (else this worker is the relay moved out, and its
+        sender is fine). A stream that ended meanwhile has nothing to drop."""
+        comm = self._comms.get(transfer_id)
+        if comm is None:
+            logger.debug("reroute of %r from %s: its stream is over", key, sender)
+            return
+        logger.info("rerouting the stream of %r from %s", key, sender)
+        self._rerouted[transfer_id] = _REROUTED if sender_lags else _MOVED
+        comm.abort()
 
     def is_fetching(self, key: Key) -> bool:
         return key in self.fetching
@@ -157,6 +186,17 @@ class Receiver:
                 # holders as Dask does.
                 busy = True
                 break
+            if outcome is _REROUTED or outcome is _MOVED:
+                if outcome is _REROUTED:
+                    excluded.append(sender)
+                self.ctx.event(
+                    "reroutes",
+                    key=str(key),
+                    byte=buf.progress,
+                    sender=sender,
+                    lagging=outcome is _MOVED,
+                )
+                continue
             if outcome is _FAILED or outcome is _BUSY:
                 excluded.append(sender)
                 if buf.progress:
@@ -251,8 +291,8 @@ class Receiver:
             if outcome is _BUSY:  # another holder for this range
                 excluded.append(sender)
                 continue
-            if outcome is _FAILED:
-                excluded.append(sender)
+            if outcome is _FAILED or outcome is _REROUTED or outcome is _MOVED:
+                excluded.append(sender)  # not judged: ranges report no progress
                 self.ctx.event("resumes", key=str(key), byte=buf.progress, failed=sender)
                 continue
             return str(sender)
@@ -338,7 +378,9 @@ class Receiver:
                     block = ctx.config.block_size_for(nbytes // parts, fitted=fitted)
                     raw = raw_stream(comm) is not None
                     req = StreamRequest(key, offset, block, tid, raw=raw, who=w.address, part=part)
-                    n = await receive_stream(comm, buf, req, stall_timeout=stall)
+                    self._comms[tid] = comm
+                    with self._reporting(buf, tid, part):
+                        n = await receive_stream(comm, buf, req, stall_timeout=stall)
             ok = True
             ctx.count("bytes-received", n)
             if part is not None:
@@ -352,6 +394,9 @@ class Receiver:
             ctx.count("senders-busy")
             return _BUSY
         except Exception as e:
+            if tid in self._rerouted:
+                logger.info("%r: dropped the stream from %s at byte %d", key, sender, buf.progress)
+                return self._rerouted[tid]
             logger.warning(
                 "hoplite stream of %r from %s failed at byte %d (%s: %s); resuming elsewhere",
                 key,
@@ -364,6 +409,8 @@ class Receiver:
             ctx.count("streams-failed")
             return _FAILED
         finally:
+            self._comms.pop(tid, None)
+            self._rerouted.pop(tid, None)
             ctx.send(
                 {
                     "op": "hoplite-finished",
@@ -376,6 +423,36 @@ class Receiver:
                     "parts": 1 if part is None else part[1],
                 }
             )
+
+    @contextlib.contextmanager
+    def _reporting(
+        self, buf: ObjectBuffer, tid: int, part: tuple[int, int] | None
+    ) -> Iterator[None]:
+        """While the body runs, tell the directory every
+        ``hoplite.broadcast.slow-relay.report-interval`` the byte the stream
+        of transfer ``tid`` into ``buf`` reached, for the rates it judges relays by: none when that is off,
+        nor for a byte range (ranges travel down trees of their own)."""
+        ctx = self.ctx
+        if ctx.config.slow_relay_ratio <= 0 or part is not None:
+            yield
+            return
+        interval = ctx.config.slow_relay_interval
+
+        async def report() -> None:
+            loop = asyncio.get_running_loop()
+            while True:
+                due = loop.time() + interval
+                await asyncio.sleep(interval)
+                late = max(0.0, loop.time() - due)  # this event loop's delay
+                ctx.send(
+                    {"op": PROGRESS_OP, "transfer_id": tid, "position": buf.progress, "late": late}
+                )
+
+        task = asyncio.ensure_future(report())
+        try:
+            yield
+        finally:
+            task.cancel()
 
     async def fetch_parts(self, keys: list[Key], who_has: dict[Key, list[str]]) -> list[Any]:
         """The values of ``keys`` here: from memory, through hoplite, or from a
