@@ -78,18 +78,51 @@ def _memory_at(dask_scheduler: Any, keys: list[Any]) -> dict[Any, float]:
     return out
 
 
+#: TCP counters that say a stream lost packets or waited on a timer.
+TCP_COUNTERS = (
+    "RetransSegs",
+    "TCPTimeouts",
+    "TCPLossProbes",
+    "TCPSackRecovery",
+    "TCPLostRetransmit",
+)
+
+
+def _tcp_snapshot(ec: EmulatedCluster) -> dict[str, dict[str, int]]:
+    return {
+        f"w{i}": {k: v for k, v in ec.tcp_counters(f"w{i}").items() if k in TCP_COUNTERS}
+        for i in range(ec.n_workers)
+    }
+
+
+def _tcp_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> str:
+    """The counters that moved, per host ("w3 RetransSegs+12")."""
+    moved = [
+        f"{h} {k}+{after[h][k] - before[h].get(k, 0)}"
+        for h in after
+        for k in sorted(after[h])
+        if after[h][k] != before[h].get(k, 0)
+    ]
+    return ", ".join(moved) or "none"
+
+
 def one_cluster(
-    ec: EmulatedCluster, method: str, size: int, reps: int
+    ec: EmulatedCluster, method: str, size: int, reps: int, diagnose: bool = False
 ) -> tuple[list[float], str, int, float]:
     """``reps + 1`` repetitions back to back on a fresh Dask cluster: their
     seconds, a note ("" when every consumer saw the source's bytes), the
     relays hoplite rerouted around, and the lowest share of its sender's rate
-    it judged a relay at."""
+    it judged a relay at. With ``diagnose``, the workers record timelines,
+    each repetition reads every host's TCP counters before and after (a pause
+    of some 0.1 s between repetitions), and the slowest warm repetition's
+    timeline and counters are printed beside the median one's."""
     from distributed import Client, wait
 
     import dask_hoplite
 
-    ec.start_dask(env=worker_env())
+    extra = {"DASK_HOPLITE__TIMELINES": "True"} if diagnose else {}
+    ec.start_dask(env=worker_env(**extra))
+    seen: list[tuple[float, str, str]] = []  # diagnose: (seconds, timeline, counters)
     times: list[float] = []
     note = ""
     reroutes, closest = 0, float("nan")
@@ -99,7 +132,9 @@ def one_cluster(
                 client.register_plugin(dask_hoplite.Hoplite())
             workers = ec.worker_addresses(client)
             src, receivers = workers[0], workers[1:]
+            names = {a: f"w{i}" for i, a in enumerate(workers)}
             for rep in range(reps + 1):
+                tcp = _tcp_snapshot(ec) if diagnose else {}
                 x = client.submit(MAKERS["array"], size, rep, workers=[src], pure=False)
                 got = [
                     client.submit(
@@ -113,6 +148,14 @@ def one_cluster(
                 if len(at) != len(keys):
                     note = f"repetition {rep}: no memory transition logged for some keys"
                 times.append(max(at[g.key] for g in got) - at[x.key])
+                if diagnose and method == "hoplite":
+                    from benchmarks.timeline import collect, render
+
+                    # t0: the scheduler's moment the source was made (one host's clock)
+                    view = render(
+                        collect(client, x.key), at[x.key], ec.rate_bytes_per_s, names=names
+                    )
+                    seen.append((times[-1], view, _tcp_delta(tcp, _tcp_snapshot(ec))))
                 results = client.gather(got)
                 if len({tuple(r) for r in results}) != 1:
                     note = f"repetition {rep}: consumers saw different bytes"
@@ -123,6 +166,11 @@ def one_cluster(
                 closest = client.run_on_scheduler(_closest_relay)
     finally:
         ec.stop_dask()
+    if seen[1:]:
+        warm = sorted(seen[1:], key=lambda s: s[0])
+        for what, (t, view, counters) in (("median", warm[len(warm) // 2]), ("slowest", warm[-1])):
+            print(f"# {what} warm repetition: {t:.3f} s; TCP counters that moved: {counters}")
+            print(view)
     return times, note, reroutes, closest
 
 
@@ -158,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--reps", type=int, default=20, help="warm repetitions per cluster")
     p.add_argument("--clusters", type=int, default=3, help="fresh clusters per method")
+    p.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="print the timelines and TCP counters of each cluster's median and slowest warm "
+        "repetition (workers record timelines; a pause of ~0.1 s to read the counters)",
+    )
     p.add_argument("--out", default="benchmarks/results/loop")
     args = p.parse_args(argv)
     results: list[LoopResult] = []
@@ -167,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             for method in args.methods:
                 r = LoopResult(method, ec.n_workers, size, ec.rate_mbit, size / ec.rate_bytes_per_s)
                 for _ in range(args.clusters):
-                    times, note, reroutes, closest = one_cluster(ec, method, size, args.reps)
+                    times, note, reroutes, closest = one_cluster(
+                        ec, method, size, args.reps, args.diagnose
+                    )
                     r.clusters.append(times)
                     r.reroutes.append(reroutes)
                     r.closest.append(closest)

@@ -234,6 +234,29 @@ def test_pool_trim_returns_idle_memory_after_a_while():
     assert pool.idle_bytes == 0
 
 
+def test_pool_keeps_a_burst_s_idle_regions_until_the_burst_is_over():
+    """A loop holds two buffers now and then (its next transfer starts
+    before the previous object is freed): the second region, idle most of
+    the time, stays while buffers are still handed out."""
+    now = [0.0]
+    pool = BufferPool(capacity=64 * 2**20, clock=lambda: now[0])
+    a, b = pool.allocate(2**21), pool.allocate(2**22)
+    del b  # idle from t=0 (too large for the loop's 2 MiB: never reused)
+    gc.collect()
+    for _ in range(100):  # the loop goes on for 100 s, reusing ``a``'s region
+        now[0] += 1
+        del a
+        gc.collect()
+        a = pool.allocate(2**21)
+    assert pool.allocated == 2 and pool.reused == 100 and a.size == 2**21
+    # Idle for 100 s, but the burst went on until now: kept.
+    assert pool.trim(max_idle=60) == 0
+    # Once nothing was handed out for max_idle, it goes.
+    now[0] += 61
+    assert pool.trim(max_idle=60) == 2**22
+    assert pool.idle_bytes == 0
+
+
 def test_pool_picks_the_right_region_among_many_sizes():
     pool = BufferPool(capacity=256 * 2**20)
     regions = [pool.allocate(n * 2**20) for n in (8, 4, 2, 4)]

@@ -60,13 +60,21 @@ class BufferPool:
         Called with every freshly mapped region, before it is used (the
         worker's :class:`~dask_hoplite.worker.prefault.Prefaulter` faults it
         in off the receiving thread); must not block.
+    clock:
+        Seconds, for how long regions and the pool have been idle.
     """
 
     GRANULE = 2**20  # regions are whole MiB, so same-size objects match
 
-    def __init__(self, capacity: int, on_fresh: Callable[[mmap.mmap], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        on_fresh: Callable[[mmap.mmap], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.capacity = capacity
         self.on_fresh = on_fresh
+        self._clock = clock
         self._idle: list[mmap.mmap] = []
         self._since: dict[int, float] = {}  # id(region) -> when it became idle
         # Regions whose handle died, not yet filed into ``_idle``. The
@@ -78,6 +86,9 @@ class BufferPool:
         self._lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
+        #: When a buffer was last handed out (a burst of transfers runs
+        #: while this is recent).
+        self._last_use = clock()
         #: The regions mapped by :meth:`reserve`, kept for ever and carved
         #: into extents: each one's free extents, (offset, length) sorted by
         #: offset, adjacent ones merged (:class:`ReserveExtents`).
@@ -121,6 +132,7 @@ class BufferPool:
         offset = 0
         extents = None
         with self._lock:
+            self._last_use = self._clock()
             self._file_returned()
             carved = self._carve(size)
             if carved is not None:
@@ -181,7 +193,7 @@ class BufferPool:
     def _give_back(self, region: mmap.mmap) -> None:
         # Runs as a finalizer, possibly inside a locked section of this same
         # thread: no lock here (see ``_returned``).
-        self._returned.append((region, time.monotonic()))
+        self._returned.append((region, self._clock()))
         if self._lock.acquire(blocking=False):
             try:
                 self._file_returned()
@@ -220,12 +232,21 @@ class BufferPool:
             total -= len(old)
 
     def trim(self, max_idle: float, now: float | None = None) -> int:
-        """Unmap regions idle for longer than ``max_idle`` seconds, so that a
-        worker's memory returns to its level before a burst of transfers.
-        Returns the bytes released."""
-        now = time.monotonic() if now is None else now
+        """Unmap regions idle for longer than ``max_idle`` seconds once no
+        buffer has been handed out for that long either, so that a worker's
+        memory returns to its level before a burst of transfers when the
+        burst is over. Within a burst, a region idle for a while is the one
+        the next late release will need: a loop that starts its next
+        transfer before the previous one's object is freed holds two
+        buffers at once now and then, and each fresh one costs the kernel's
+        zeroing of every page (at 1 Gbit/s on 2 cores, a repetition whose
+        receivers all took fresh memory ran at half the rate). Returns the
+        bytes released."""
+        now = self._clock() if now is None else now
         freed = 0
         with self._lock:
+            if now - self._last_use <= max_idle:
+                return 0
             self._file_returned()
             keep = []
             for r in self._idle:
