@@ -20,6 +20,11 @@ each page as the socket first writes it, as in a worker's first transfer of
 a size); ``reuse``: into the same memory every time (a warm buffer pool);
 ``none`` (default): through one 1 MiB buffer.
 
+``--loop``: repetitions back to back, as ``benchmarks/loop.py`` runs hoplite's:
+the last host tells the first over a connection of its own the moment it has
+the whole object, and the next repetition starts then (default: a pause of
+0.5 s between repetitions, as the broadcast benchmark).
+
     sudo python benchmarks/tcp_chain.py --workers 9 --rate-mbit 1000 --size 256MiB --reps 10
 """
 
@@ -46,21 +51,38 @@ CHUNK = 1 << 20
 SAMPLE = 0.05
 
 
-def _connect(addr: str) -> socket.socket:
+def _connect(addr: str, port: int = PORT) -> socket.socket:
     for _ in range(200):
         try:
-            return socket.create_connection((addr, PORT))
+            return socket.create_connection((addr, port))
         except OSError:
             time.sleep(0.05)
     raise ConnectionError(f"cannot reach {addr}:{PORT}")
 
 
 def host_main(
-    index: int, addrs: list[str], size: int, reps: int, fresh: bool, store: str = "none"
+    index: int,
+    addrs: list[str],
+    size: int,
+    reps: int,
+    fresh: bool,
+    store: str = "none",
+    loop: bool = False,
 ) -> None:
     """One host of the chain: receive from the one before (unless first),
     relay to the one after (unless last); print one JSON line per repetition:
-    its wall start (the source's) and this host's (time, bytes) samples."""
+    its wall start (the source's) and this host's (time, bytes) samples.
+    With ``loop``, the last host tells the first when it has each repetition
+    whole, and the first starts the next one then."""
+    last_host = index == len(addrs) - 1
+    back = None  # loop: the first host's end of the last host's connection
+    if loop and index == 0:
+        back_listener = socket.socket()
+        back_listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        back_listener.bind((addrs[0], PORT + 1))
+        back_listener.listen(1)
+    elif loop and last_host:
+        back = _connect(addrs[0], PORT + 1)
     listener = None
     if index > 0:
         listener = socket.socket()
@@ -83,7 +105,10 @@ def host_main(
         last = 0.0
         if index == 0:
             assert down is not None
-            time.sleep(0.5)  # as the broadcast benchmark, between repetitions
+            if not loop or rep == 0:
+                time.sleep(0.5)  # as the broadcast benchmark, between repetitions
+            if loop and back is None:
+                back, _ = back_listener.accept()
             start = time.time()
             down.sendall(str(start).encode().ljust(64))
             for lo in range(0, size, CHUNK):
@@ -110,6 +135,11 @@ def host_main(
                 if now - last >= SAMPLE or got == size:
                     samples.append((now, got))
                     last = now
+            if back is not None:
+                back.sendall(b"1")  # the last host has it whole
+        if index == 0 and back is not None:
+            if not back.recv(1):
+                raise ConnectionError("the last host closed its connection")
         print(json.dumps({"rep": rep, "start": start, "samples": samples}), flush=True)
         if fresh:
             for s in (up, down):
@@ -119,26 +149,39 @@ def host_main(
     sys.stdout.flush()
 
 
-def run(workers: int, rate_mbit: float, size: int, reps: int, fresh: bool, store: str) -> int:
+def run(
+    workers: int,
+    rate_mbit: float,
+    size: int,
+    reps: int,
+    fresh: bool,
+    store: str,
+    loop: bool = False,
+    out_path: str | None = None,
+) -> int:
     with EmulatedCluster(workers, rate_mbit=rate_mbit) as ec:
         roles = [f"w{i}" for i in range(workers)]
         addrs = [ec.hosts[r].address for r in roles]
         procs = []
         for i in reversed(range(workers)):  # listeners first
-            argv = [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--host-index",
-                str(i),
-                "--addrs",
-                *addrs,
-                "--size",
-                str(size),
-                "--reps",
-                str(reps),
-                "--store",
-                store,
-            ] + (["--fresh"] if fresh else [])
+            argv = (
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--host-index",
+                    str(i),
+                    "--addrs",
+                    *addrs,
+                    "--size",
+                    str(size),
+                    "--reps",
+                    str(reps),
+                    "--store",
+                    store,
+                ]
+                + (["--fresh"] if fresh else [])
+                + (["--loop"] if loop else [])
+            )
             procs.append(
                 (
                     roles[i],
@@ -168,6 +211,9 @@ def run(workers: int, rate_mbit: float, size: int, reps: int, fresh: bool, store
         f"p90 {quantile(warm, 0.9) / bound:.2f}  max {quantile(warm, 1.0) / bound:.2f}  (x S/B)"
     )
     print("every repetition:", " ".join(f"{t / bound:.2f}" for t in times))
+    if out_path:
+        with open(out_path + ".json", "w") as f:
+            json.dump({"size": size, "rate_mbit": rate_mbit, "bound": bound, "times": times}, f)
     order = sorted(range(1, reps + 1), key=lambda i: times[i])
     for label, rep in (("first", 0), ("median", order[len(order) // 2]), ("slowest", order[-1])):
         tl = {
@@ -194,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--store", choices=("none", "fresh", "reuse"), default="none")
+    p.add_argument("--loop", action="store_true", help="repetitions back to back")
+    p.add_argument("--out", help="write every repetition's seconds to OUT.json")
     p.add_argument("--host-index", type=int, help=argparse.SUPPRESS)
     p.add_argument("--addrs", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -203,9 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         else int(args.size)
     )
     if args.host_index is not None:
-        host_main(args.host_index, args.addrs, size, args.reps, args.fresh, args.store)
+        host_main(args.host_index, args.addrs, size, args.reps, args.fresh, args.store, args.loop)
         return 0
-    return run(args.workers, args.rate_mbit, size, args.reps, args.fresh, args.store)
+    return run(
+        args.workers, args.rate_mbit, size, args.reps, args.fresh, args.store, args.loop, args.out
+    )
 
 
 if __name__ == "__main__":
