@@ -106,6 +106,7 @@ class HopliteConfig:
     stealing_delay: float
     buffer_pool_bytes: int
     buffer_pool_idle: float
+    buffer_pool_spare: bool  # a spare region per size in a burst (core/buffer_pool.py)
     prefault: bool
     timelines: bool
     timeline_interval: float
@@ -199,6 +200,7 @@ class HopliteConfig:
             stealing_delay=_seconds("stealing.delay"),
             buffer_pool_bytes=_bytes("buffer-pool-bytes"),
             buffer_pool_idle=_seconds("buffer-pool-idle"),
+            buffer_pool_spare=bool(_get("buffer-pool-spare")),
             prefault=bool(_get("prefault")),
             timelines=bool(_get("timelines")),
             timeline_interval=_seconds("timeline-interval"),

@@ -257,6 +257,27 @@ def test_pool_keeps_a_burst_s_idle_regions_until_the_burst_is_over():
     assert pool.idle_bytes == 0
 
 
+def test_pool_maps_one_spare_per_size_in_a_burst():
+    """The first 2 MiB buffer back brings a spare: a loop whose next buffer
+    is lent before the previous one is back reuses instead of mapping."""
+    now = [0.0]
+    pool = BufferPool(capacity=64 * 2**20, clock=lambda: now[0], spare=True)
+    a = pool.allocate(2**21)
+    del a
+    gc.collect()
+    assert pool.allocated == 2 and pool.idle_bytes == 2 * 2**21
+    a = pool.allocate(2**21)  # the next transfer, before ...
+    b = pool.allocate(2**21)  # ... the one before it is freed
+    assert pool.allocated == 2 and pool.reused == 2
+    del a, b
+    gc.collect()
+    assert pool.allocated == 2  # one spare per size and burst
+    now[0] += 61  # the burst is over: all goes
+    assert pool.trim(max_idle=60) == 2 * 2**21
+    # A worker that never received a large object maps nothing.
+    assert BufferPool(capacity=64 * 2**20, spare=True).allocated == 0
+
+
 def test_pool_picks_the_right_region_among_many_sizes():
     pool = BufferPool(capacity=256 * 2**20)
     regions = [pool.allocate(n * 2**20) for n in (8, 4, 2, 4)]

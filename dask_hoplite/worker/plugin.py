@@ -96,7 +96,11 @@ class WorkerParts:
         cls, worker: Worker, config: HopliteConfig, features: FeatureSet | None = None
     ) -> WorkerParts:
         prefaulter = Prefaulter() if config.prefault else None
-        pool = BufferPool(config.buffer_pool_bytes, prefaulter.submit if prefaulter else None)
+        pool = BufferPool(
+            config.buffer_pool_bytes,
+            prefaulter.submit if prefaulter else None,
+            spare=config.buffer_pool_spare,
+        )
         reserve = config.buffer_pool_reserve
         if reserve is None:  # "auto": a fraction of the worker's memory limit
             manager = getattr(worker, "memory_manager", None)
