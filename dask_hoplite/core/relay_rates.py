@@ -38,14 +38,20 @@ REROUTE_OP = "hoplite-reroute"
 
 @dataclass(frozen=True)
 class Rate:
-    """Bytes per second over ``seconds``, ending at byte ``position``."""
+    """Bytes per second over the latest window, ending at byte ``position``."""
 
     bytes_per_s: float
-    seconds: float
     position: int
-    #: The longest the receiver's event loop was late with a report in the
-    #: window: a relay short of CPU, not of network, when large.
-    late: float = 0.0
+
+
+@dataclass(frozen=True)
+class Lag:
+    """A relay judged lagging: its ``rate`` and the ``reference`` it fell
+    below a share of (its sender's rate, or the per-host bandwidth), in
+    bytes per second."""
+
+    rate: float
+    reference: float
 
 
 class RelayRates:
@@ -73,20 +79,17 @@ class RelayRates:
         self.window = window
         self.ratio = ratio
         self.min_lag = min_lag
-        self._reports: dict[int, deque[tuple[float, int, float]]] = {}
+        self._reports: dict[int, deque[tuple[float, int]]] = {}
         #: The lowest share of its reference rate any relay was judged at
         #: (how near a chain without a fault came to a reroute).
         self.closest = float("inf")
-        #: The latest judgements below twice ``ratio``: (share, late).
-        self.near: deque[tuple[float, float]] = deque(maxlen=32)
 
-    def observe(self, transfer_id: int, position: int, now: float, late: float = 0.0) -> None:
-        """The receiver of ``transfer_id`` had byte ``position`` at ``now``;
-        its event loop sent the report ``late`` seconds after it was due."""
+    def observe(self, transfer_id: int, position: int, now: float) -> None:
+        """The receiver of ``transfer_id`` had byte ``position`` at ``now``."""
         q = self._reports.setdefault(transfer_id, deque())
         if q and position < q[-1][1]:
             q.clear()  # a restart from an earlier byte: a new stream
-        q.append((now, position, late))
+        q.append((now, position))
         # Keep one report older than the window: the rate spans it whole.
         while len(q) > 2 and q[1][0] <= now - self.window:
             q.popleft()
@@ -96,37 +99,36 @@ class RelayRates:
         q = self._reports.get(transfer_id)
         if not q or len(q) < 2:
             return None
-        (t0, p0, _), (t1, p1, _) = q[0], q[-1]
+        (t0, p0), (t1, p1) = q[0], q[-1]
         if t1 - t0 < self.window:
             return None
-        late = max(r[2] for r in q)
-        return Rate((p1 - p0) / (t1 - t0), t1 - t0, p1, late)
+        return Rate((p1 - p0) / (t1 - t0), p1)
 
     def lagging(
         self, transfer_id: int, sender_transfer_id: int | None, reference: float | None
-    ) -> bool:
-        """Whether the relay receiving ``transfer_id`` holds its chain back:
-        against the transfer into its sender (``sender_transfer_id``), or,
-        for a sender with a complete copy (None), against ``reference``
-        bytes per second (None: no judgement)."""
+    ) -> Lag | None:
+        """The verdict on the relay receiving ``transfer_id`` (None: it does
+        not hold its chain back): against the transfer into its sender
+        (``sender_transfer_id``), or, for a sender with a complete copy
+        (None), against ``reference`` bytes per second (None: no judgement)."""
         mine = self.rate(transfer_id)
         if mine is None:
-            return False
+            return None
         if sender_transfer_id is None:
             if reference is None or reference <= 0:
-                return False
-            return self._judge(mine, reference)
+                return None
+            return self._judge(mine.bytes_per_s, reference)
         theirs = self.rate(sender_transfer_id)
         if theirs is None or theirs.position - mine.position < self.min_lag:
-            return False
-        return theirs.bytes_per_s > 0 and self._judge(mine, theirs.bytes_per_s)
+            return None
+        if theirs.bytes_per_s <= 0:
+            return None
+        return self._judge(mine.bytes_per_s, theirs.bytes_per_s)
 
-    def _judge(self, mine: Rate, reference: float) -> bool:
-        share = mine.bytes_per_s / reference
+    def _judge(self, mine: float, reference: float) -> Lag | None:
+        share = mine / reference
         self.closest = min(self.closest, share)
-        if share < 2 * self.ratio:
-            self.near.append((share, mine.late))
-        return share < self.ratio
+        return Lag(mine, reference) if share < self.ratio else None
 
     def forget(self, transfer_id: int) -> None:
         self._reports.pop(transfer_id, None)

@@ -104,8 +104,6 @@ class DirectoryService:
             self.relays = RelayRates(
                 config.slow_relay_window, config.slow_relay_ratio, config.slow_relay_min_lag
             )
-        #: Relays rerouted for lagging, as (key, relay, its sender).
-        self.rerouted: list[tuple[Key, str, str]] = []
         self._hosts = hosts
         self.network = network
         self.config = config
@@ -276,12 +274,7 @@ class DirectoryService:
             self.network.observe_latency(float(latency))
 
     def progress(
-        self,
-        transfer_id: int,
-        position: int,
-        late: float = 0.0,
-        worker: str | None = None,
-        **kwargs: Any,
+        self, transfer_id: int, position: int, worker: str | None = None, **kwargs: Any
     ) -> None:
         """Stream ``hoplite-progress``: the receiver of ``transfer_id`` has
         reached byte ``position``. A relay whose rate says it holds its
@@ -290,29 +283,25 @@ class DirectoryService:
         t = d.transfers.get(transfer_id)
         if relays is None or t is None:
             return
-        relays.observe(transfer_id, int(position), self._clock(), float(late))
+        relays.observe(transfer_id, int(position), self._clock())
         rec = d.objects.get(t.key)
         if rec is None or not rec.uploads.get(t.receiver):
             return  # a leaf holds nobody back
         parent = rec.incoming.get(t.sender)
-        est = self.network.estimate()
-        reference = est.bandwidth if est.measured else None
-        if not relays.lagging(
-            transfer_id, None if parent is None else parent.transfer_id, reference
-        ):
+        if parent is not None:
+            lag = relays.lagging(transfer_id, parent.transfer_id, None)
+        else:  # below a complete copy: the measured per-host bandwidth, if any
+            est = self.network.estimate()
+            lag = relays.lagging(transfer_id, None, est.bandwidth if est.measured else None)
+        if lag is None:
             return
-        mine = relays.rate(transfer_id)
-        theirs = relays.rate(parent.transfer_id) if parent is not None else None
-        rate = mine.bytes_per_s if mine else 0.0
-        ref = theirs.bytes_per_s if theirs else reference or 0.0
         logger.info(
             "%s lags as a relay of %r (%.3g B/s, its sender %.3g B/s): rerouting around it",
             t.receiver,
             t.key,
-            rate,
-            ref,
+            lag.rate,
+            lag.reference,
         )
-        self.rerouted.append((t.key, t.receiver, t.sender))
         if self._log_event is not None:
             self._log_event(
                 "hoplite",
@@ -321,8 +310,8 @@ class DirectoryService:
                     "key": str(t.key),
                     "relay": t.receiver,
                     "sender": t.sender,
-                    "rate": rate,
-                    "reference": ref,
+                    "rate": lag.rate,
+                    "reference": lag.reference,
                 },
             )
         for r in d.reroute(t.key, t.receiver):
@@ -364,8 +353,6 @@ class DirectoryService:
             "waiting": len(self.waiting),
             # how near a relay came to being rerouted (share of its sender's rate)
             "relay_closest": None if self.relays is None else self.relays.closest,
-            "relay_near": [] if self.relays is None else [list(n) for n in self.relays.near],
-            "rerouted": [[str(k), r, s] for k, r, s in self.rerouted],
             "keys": [
                 {
                     "key": rec.key,

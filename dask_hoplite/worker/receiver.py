@@ -439,14 +439,9 @@ class Receiver:
         interval = ctx.config.slow_relay_interval
 
         async def report() -> None:
-            loop = asyncio.get_running_loop()
             while True:
-                due = loop.time() + interval
                 await asyncio.sleep(interval)
-                late = max(0.0, loop.time() - due)  # this event loop's delay
-                ctx.send(
-                    {"op": PROGRESS_OP, "transfer_id": tid, "position": buf.progress, "late": late}
-                )
+                ctx.send({"op": PROGRESS_OP, "transfer_id": tid, "position": buf.progress})
 
         task = asyncio.ensure_future(report())
         try:
