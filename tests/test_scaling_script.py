@@ -5,16 +5,10 @@ namespaces, real processes): a run of one configuration and a run of several
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from benchmark_scripts import ROOT, run_script
+from benchmark_scripts import emulated_cluster_marks, run_script
 
-sys.path.insert(0, ROOT)
-from benchmarks import emulation  # noqa: E402
-
-ok, why = emulation.available()
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(not ok, reason=why or "")]
+pytestmark = emulated_cluster_marks()
 
 
 def _run(tmp_path, *configs):
