@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dask_hoplite.core.store import BufferPool, ObjectBuffer
+from dask_hoplite.core.store import BufferPool, Layout, ObjectBuffer
 from dask_hoplite.dashboard.state import COLOURS, page_state
 from dask_hoplite.worker.context import IncomingStream
 from dask_hoplite.worker.progress import ProgressReport
@@ -124,3 +124,22 @@ def test_the_heartbeat_report_says_how_long_a_stream_has_not_moved():
     (s,) = report()["streams"]
     assert s["stalled"] == 2.5 and s["sender"] == A and s["progress"] == 0
     assert report()["stats"] == {"bytes-received": 7}
+
+
+def test_a_finished_streams_memory_is_reusable_before_the_next_heartbeat():
+    # A loop's next transfer starts before the next heartbeat: if the report
+    # still held the finished stream, its buffer's region would not be back
+    # in the pool, and the next receiver would zero fresh memory instead.
+    ctx = Ctx()
+    pool = BufferPool(capacity=64 * 2**20)
+    buf = ObjectBuffer("x", pool)
+    buf.allocate(Layout({}, (4 * 2**20,)))
+    s = IncomingStream("x", A, buf, "object")
+    ctx.incoming.add(s)
+    report = ProgressReport(ctx)
+    assert report()["streams"][0]["nbytes"] == 4 * 2**20
+    ctx.incoming.discard(s)
+    del s, buf
+    assert pool.idle_bytes == 4 * 2**20
+    pool.allocate(4 * 2**20)
+    assert (pool.reused, pool.allocated) == (1, 1)
