@@ -106,6 +106,9 @@ async def _sixty_four_consumers(plugin: bool):
         ]
         results = await c.gather(futs)
         info = await c.scheduler.hoplite_info() if plugin else None
+        if info is not None:
+            events = await c.get_events("hoplite")
+            info["slow_relays"] = sum(1 for _, e in events if e.get("action") == "slow-relay")
         return results, info
 
 
@@ -117,7 +120,12 @@ def test_64_consumers_of_a_200mb_array_on_8_processes_form_a_tree():
     (entry,) = [e for e in info["keys"] if e["edges"]]
     assert entry["peak_uploads"] <= info["fanout"]
     receivers = [r for _, r in entry["edges"]]
-    assert len(receivers) == len(set(receivers)) == 7  # one stream into each other worker
+    # One stream into each other worker. Eight processes on a small machine
+    # starve one another of CPU now and then, and a relay that falls well
+    # behind its sender is moved (hoplite.broadcast.slow-relay): each move
+    # adds two streams, its receiver's and its own, both resuming.
+    assert len(set(receivers)) == 7
+    assert len(receivers) == 7 + 2 * info["slow_relays"]
     senders = [s for s, _ in entry["edges"]]
     # Not a star: the source sent at most `fanout` streams, relays did the rest.
     assert max(senders.count(a) for a in set(senders)) <= info["fanout"]

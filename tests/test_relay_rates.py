@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_hoplite.core.relay_rates import RelayRates
+from dask_hoplite.core.relay_rates import REROUTE_OP, RelayRates
 
 MB = 2**20
 
@@ -89,3 +89,51 @@ def test_a_relay_keeping_up_with_its_sender_is_never_judged(speed, jitter, lag):
         r.observe(1, int(pos) + lag, t)
         r.observe(2, int(pos), t + 0.01)
         assert not r.lagging(2, 1, reference=speed)
+
+
+def _service_over_a_chain(clock):
+    """src -> r0 -> r1 -> r2 in a DirectoryService judging relays, and the
+    reroutes it sends."""
+    from dask_hoplite.config import HopliteConfig
+    from dask_hoplite.core.directory import ObjectDirectory
+    from dask_hoplite.core.network_model import NetworkModel
+    from dask_hoplite.scheduler.directory_service import DirectoryService
+
+    d = ObjectDirectory(fanout=1)
+    for i in range(3):
+        d.request("k", f"r{i}", holders=["src"])
+    sent = []
+    service = DirectoryService(
+        d,
+        NetworkModel(),
+        HopliteConfig.from_dask_config(),
+        task=lambda key: None,
+        send=lambda worker, msg: sent.append((worker, msg)),
+        clock=clock,
+    )
+    tid = {r: d.objects["k"].incoming[r].transfer_id for r in ("r0", "r1")}
+    return service, tid, sent
+
+
+@pytest.mark.parametrize("own_clock", [True, False])
+def test_a_relay_whose_reports_arrive_late_is_judged_by_its_own_clock(own_clock):
+    # r0 and r1 both receive at 100 MB/s, each reporting every 50 ms. r1's
+    # host is busy: its reports of 0.15-0.45 s reach the scheduler in one
+    # bunch at 0.45 s. On its own clock r1 kept up; on arrival it looks stuck
+    # at a quarter of r0's rate, and (the counter-case) would be moved.
+    now = [0.0]
+    service, tid, sent = _service_over_a_chain(lambda: now[0])
+    late = []
+    for step in range(10):
+        t = step * 0.05
+        now[0] = t
+        service.progress(tid["r0"], int(200e6 + t * 100e6), at=t if own_clock else None)
+        report = (tid["r1"], int(t * 100e6), t)
+        if 0.15 <= t < 0.45:
+            late.append(report)
+            continue
+        for r in [*late, report]:
+            service.progress(r[0], r[1], at=r[2] if own_clock else None)
+        late = []
+    rerouted = [m for _, m in sent if m.get("op") == REROUTE_OP]
+    assert (rerouted == []) is own_clock

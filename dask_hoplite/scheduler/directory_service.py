@@ -274,16 +274,29 @@ class DirectoryService:
             self.network.observe_latency(float(latency))
 
     def progress(
-        self, transfer_id: int, position: int, worker: str | None = None, **kwargs: Any
+        self,
+        transfer_id: int,
+        position: int,
+        at: float | None = None,
+        worker: str | None = None,
+        **kwargs: Any,
     ) -> None:
         """Stream ``hoplite-progress``: the receiver of ``transfer_id`` has
-        reached byte ``position``. A relay whose rate says it holds its
-        chain back is moved out of the way (:meth:`ObjectDirectory.reroute`)."""
+        reached byte ``position`` at ``at`` seconds of its own host's
+        monotonic clock (None: when the report arrives here). A relay whose
+        rate says it holds its chain back is moved out of the way
+        (:meth:`ObjectDirectory.reroute`).
+
+        A transfer's reports all come from one host, so its rate is taken on
+        that host's clock: the time a report spends in two busy event loops
+        and the batched stream between them is no part of it. (Measured on
+        arrival, a relay on a loaded host looked slow over a window whose
+        reports came in bunched.)"""
         relays, d = self.relays, self.directory
         t = d.transfers.get(transfer_id)
         if relays is None or t is None:
             return
-        relays.observe(transfer_id, int(position), self._clock())
+        relays.observe(transfer_id, int(position), self._clock() if at is None else float(at))
         rec = d.objects.get(t.key)
         if rec is None or not rec.uploads.get(t.receiver):
             return  # a leaf holds nobody back

@@ -441,7 +441,16 @@ class Receiver:
         async def report() -> None:
             while True:
                 await asyncio.sleep(interval)
-                ctx.send({"op": PROGRESS_OP, "transfer_id": tid, "position": buf.progress})
+                # This host's clock: the directory takes rates from it, not
+                # from when the reports reach it through two busy event loops.
+                ctx.send(
+                    {
+                        "op": PROGRESS_OP,
+                        "transfer_id": tid,
+                        "position": buf.progress,
+                        "at": time.monotonic(),
+                    }
+                )
 
         task = asyncio.ensure_future(report())
         try:
