@@ -83,6 +83,17 @@ async def _validated_and_restart():
 
 
 async def _sixty_four_consumers(plugin: bool):
+    # The tree as the directory plans it. Eight processes on a small machine
+    # starve one another of CPU now and then, and a relay that falls well
+    # behind its sender is then moved (hoplite.broadcast.slow-relay, tested
+    # in test_relay_rates.py and on the emulated cluster by
+    # test_slow_relay_script.py): the streams a move adds would read here as
+    # extra edges. So relays are not judged in this test.
+    with dask.config.set({"hoplite.broadcast.slow-relay.ratio": 0}):
+        return await _sixty_four_consumers_unjudged(plugin)
+
+
+async def _sixty_four_consumers_unjudged(plugin: bool):
     async with (
         LocalCluster(
             n_workers=8,
@@ -106,9 +117,6 @@ async def _sixty_four_consumers(plugin: bool):
         ]
         results = await c.gather(futs)
         info = await c.scheduler.hoplite_info() if plugin else None
-        if info is not None:
-            events = await c.get_events("hoplite")
-            info["slow_relays"] = sum(1 for _, e in events if e.get("action") == "slow-relay")
         return results, info
 
 
@@ -120,12 +128,7 @@ def test_64_consumers_of_a_200mb_array_on_8_processes_form_a_tree():
     (entry,) = [e for e in info["keys"] if e["edges"]]
     assert entry["peak_uploads"] <= info["fanout"]
     receivers = [r for _, r in entry["edges"]]
-    # One stream into each other worker. Eight processes on a small machine
-    # starve one another of CPU now and then, and a relay that falls well
-    # behind its sender is moved (hoplite.broadcast.slow-relay): each move
-    # adds two streams, its receiver's and its own, both resuming.
-    assert len(set(receivers)) == 7
-    assert len(receivers) == 7 + 2 * info["slow_relays"]
+    assert len(receivers) == len(set(receivers)) == 7  # one stream into each other worker
     senders = [s for s, _ in entry["edges"]]
     # Not a star: the source sent at most `fanout` streams, relays did the rest.
     assert max(senders.count(a) for a in set(senders)) <= info["fanout"]

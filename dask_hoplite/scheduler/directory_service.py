@@ -289,9 +289,9 @@ class DirectoryService:
 
         A transfer's reports all come from one host, so its rate is taken on
         that host's clock: the time a report spends in two busy event loops
-        and the batched stream between them is no part of it. (Measured on
-        arrival, a relay on a loaded host looked slow over a window whose
-        reports came in bunched.)"""
+        and the batched stream between them is no part of it. (Timed on
+        arrival, a relay whose reports come in a bunch looks stuck, then
+        fast.)"""
         relays, d = self.relays, self.directory
         t = d.transfers.get(transfer_id)
         if relays is None or t is None:
