@@ -98,6 +98,7 @@ async def run(
                     await asyncio.sleep(0.05)
                 await asyncio.sleep(idle + 2.5)  # let idle pooled memory be trimmed
 
+            fresh = await c.run(_rss)  # before any broadcast
             await one(-1)
             await settle()
             start = await snapshot(c, cluster.scheduler, plugin)
@@ -114,6 +115,7 @@ async def run(
             await settle()
             end = await snapshot(c, cluster.scheduler, plugin)
             return {
+                "fresh_workers_rss": fresh,
                 "start": start,
                 "end": end,
                 "peak_workers_rss": peak_rss,

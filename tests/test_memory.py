@@ -24,5 +24,8 @@ def test_memory_returns_to_its_starting_level_after_200_broadcasts():
     for addr, rss in end["workers_rss"].items():
         # A single leaked 50 MB buffer would show; allocator noise stays far below.
         assert rss - start["workers_rss"][addr] < 25 * 2**20, (addr, start, end)
-    # and the peak shows that memory was really used and then given back
-    assert max(r["peak_workers_rss"].values()) - max(start["workers_rss"].values()) > 40_000_000
+    # and the peak shows that the measure sees a 50 MB buffer: against the
+    # workers before any broadcast, since from the warm-up on a receiver
+    # reuses one pooled buffer (it needed a second only while the heartbeat's
+    # progress report held the previous one)
+    assert max(r["peak_workers_rss"].values()) - max(r["fresh_workers_rss"].values()) > 40_000_000
