@@ -24,6 +24,10 @@ def test_memory_returns_to_its_starting_level_after_200_broadcasts():
     for addr, rss in end["workers_rss"].items():
         # A single leaked 50 MB buffer would show; allocator noise stays far below.
         assert rss - start["workers_rss"][addr] < 25 * 2**20, (addr, start, end)
+        # nor does the last object's buffer stay mapped once idle memory is
+        # trimmed: against the worker before any broadcast (the prefaulter's
+        # thread once held each receiver's last fresh region for ever)
+        assert rss - r["fresh_workers_rss"][addr] < 25 * 2**20, (addr, r["fresh_workers_rss"], end)
     # and the peak shows that the measure sees a 50 MB buffer: against the
     # workers before any broadcast, since from the warm-up on a receiver
     # reuses one pooled buffer (it needed a second only while the heartbeat's

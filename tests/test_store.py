@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -455,6 +456,37 @@ def test_the_prefaulter_populates_fresh_regions_in_the_background():
     assert p.populated == 64 * 2**20
     x[:] = 7  # the memory is the array's, whole and writable
     assert int(x[-1]) == 7
+    p.close()
+
+
+def test_a_populated_region_is_unmapped_once_the_pool_trims_it():
+    """The prefaulter lets go of a region once it is populated: after the
+    pool trims an idle region, the worker's memory goes back to the OS (it
+    stayed mapped, one object's size, for the worker's life)."""
+    from dask_hoplite.worker.prefault import Prefaulter
+
+    p = Prefaulter()
+    if not p.enabled:
+        pytest.skip("madvise(MADV_POPULATE_WRITE) is not available here")
+    mapped: list[weakref.ref] = []
+
+    def submit(region):
+        mapped.append(weakref.ref(region))
+        p.submit(region)
+
+    now = [0.0]
+    pool = BufferPool(capacity=2**30, on_fresh=submit, clock=lambda: now[0])
+    x = pool.allocate(16 * 2**20)
+    deadline = time.monotonic() + 10
+    while p.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.populated == 16 * 2**20
+    del x
+    gc.collect()
+    assert pool.idle_bytes == 16 * 2**20
+    now[0] = 10.0
+    assert pool.trim(1.0) == 16 * 2**20
+    assert [r() for r in mapped] == [None]
     p.close()
 
 

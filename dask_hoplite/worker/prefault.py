@@ -103,6 +103,11 @@ class Prefaulter:
                 with contextlib.suppress(ValueError, TypeError):  # closed under us
                     self._populate(region)
             finally:
+                # Not kept while waiting for the next region: this frame
+                # would hold the worker's last fresh region for the rest of
+                # its life, long after the pool trimmed it (each receiver
+                # stayed one object above the source when idle).
+                del region
                 with self._lock:
                     self.pending -= size
 
