@@ -7,6 +7,11 @@ host's ingress), so each host behaves like a full-duplex NIC of rate B. The
 scheduler, the workers and the measuring client run inside the namespaces via
 ``ip netns exec``.
 
+While it runs, the VM keeps the memory its processes free, as a real host
+does (:mod:`benchmarks.vm_memory`: the benchmarks' VM otherwise hands freed
+memory back to its hypervisor, and touching it again is then 20-30 times
+slower than on a host).
+
 Only addresses inside the namespaces made here are used (a private /24 that
 exists nowhere else), every process started is killed and every namespace
 deleted on exit, on Ctrl-C and on failure (``with EmulatedCluster(...)``, plus
@@ -32,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.vm_memory import KeptFreedMemory
 from dask_hoplite.compat import worker_addresses
 
 logger = logging.getLogger(__name__)
@@ -127,6 +133,9 @@ class EmulatedCluster:
         self.scheduler_address: str | None = None
         self._closed = False
         self._created: list[str] = []
+        #: The VM's freed memory kept while the cluster runs (``.active``,
+        #: or ``.why`` not).
+        self.memory = KeptFreedMemory()
 
     # ---------------------------------------------------------------- build
 
@@ -141,6 +150,7 @@ class EmulatedCluster:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, _on_signal)
         try:
+            self.memory.start()
             self._build()
         except BaseException:
             self.close()
@@ -408,5 +418,6 @@ class EmulatedCluster:
                         os.kill(int(pid), signal.SIGKILL)
             _run("ip", "netns", "del", ns, check=False)
         self._created.clear()
+        self.memory.stop()
         if self in _LIVE:
             _LIVE.remove(self)

@@ -64,3 +64,21 @@ print(got == [int(np.arange(2_000_000).sum())] * 2, sum(info.values()))
 def test_rejects_nonsense_sizes():
     with pytest.raises(ValueError, match="n_workers"):
         emulation.EmulatedCluster(0)
+
+
+def test_the_vm_keeps_freed_memory_while_a_cluster_runs():
+    """Where the VM reports freed memory to its hypervisor, an emulated
+    cluster turns that off while it runs and puts it back after
+    (``benchmarks/vm_memory.py``)."""
+    from benchmarks import vm_memory
+
+    if not os.path.exists(vm_memory.KNOB):
+        pytest.skip("this machine has no free page reporting")
+    before = open(vm_memory.KNOB).read().strip()
+    with emulation.EmulatedCluster(1) as ec:
+        if os.environ.get(vm_memory.ENV, "").lower() == "keep":
+            assert not ec.memory.active
+        else:
+            assert ec.memory.active, ec.memory.why
+            assert open(vm_memory.KNOB).read().strip() == str(vm_memory.NEVER)
+    assert open(vm_memory.KNOB).read().strip() == before
