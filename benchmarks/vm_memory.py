@@ -18,7 +18,9 @@ one, which made any comparison between the two a comparison of pauses.
 
 So while an emulated cluster runs, this turns reporting off: the kernel's
 ``page_reporting_order`` is set above the largest block the buddy allocator
-makes, so no free block qualifies, and the old value is restored on exit.
+makes, so no free block qualifies, and the old value is restored on exit (a
+run killed before its teardown leaves reporting off; the next run then puts
+the kernel's default back when it ends).
 Where the knob does not exist (no balloon driver, another kernel) or cannot
 be written (not root, a kernel that bounds the value), nothing changes and
 :attr:`KeptFreedMemory.why` says so. ``HOPLITE_BENCH_VM_PAGE_REPORTING=keep``
@@ -37,6 +39,10 @@ logger = logging.getLogger(__name__)
 KNOB = "/sys/module/page_reporting/parameters/page_reporting_order"
 #: Above the largest buddy order of x86-64 Linux (10): no block qualifies.
 NEVER = 11
+#: The kernel's default threshold (pageblock order: 2 MiB blocks on x86-64),
+#: restored when the knob is found at ``NEVER``, which a run killed before
+#: its teardown leaves behind.
+DEFAULT_ORDER = 9
 #: Set to ``keep`` to leave the VM's reporting as it is.
 ENV = "HOPLITE_BENCH_VM_PAGE_REPORTING"
 
@@ -83,6 +89,14 @@ class KeptFreedMemory:
         try:
             with open(self.knob) as f:
                 saved = f.read().strip()
+            if saved == str(self.never):
+                logger.warning(
+                    "%s was left at %s by a run that did not restore it; restoring %d on exit",
+                    self.knob,
+                    saved,
+                    DEFAULT_ORDER,
+                )
+                saved = str(DEFAULT_ORDER)
             with open(self.knob, "w") as f:
                 f.write(str(self.never))
             with open(self.knob) as f:

@@ -63,3 +63,14 @@ def test_nothing_changes_without_the_knob_or_when_asked_to_keep(tmp_path, monkey
     with KeptFreedMemory(path) as kept:
         assert not kept.active and "keep" in kept.why
         assert read(path) == "9"
+
+
+def test_a_knob_left_off_by_a_killed_run_is_restored_to_the_default(tmp_path, monkeypatch):
+    """A run killed before its teardown leaves reporting off; the next one
+    puts the kernel's default back when it ends, not the value it found."""
+    monkeypatch.delenv(vm_memory.ENV, raising=False)
+    path = knob(tmp_path, str(vm_memory.NEVER))
+    with KeptFreedMemory(path) as kept:
+        assert kept.active
+        assert read(path) == str(vm_memory.NEVER)
+    assert read(path) == str(vm_memory.DEFAULT_ORDER)
