@@ -15,7 +15,10 @@ repetition on each is cold, the rest are pooled as warm.
     sudo python benchmarks/loop.py --workers 8 --rate-mbit 250 --sizes 64MiB --reps 20
 
 Every time is reported as a ratio to S/B (every receiver's NIC must carry S
-bytes). Needs root and iproute2 (see ``emulation.py``).
+bytes). Beside each cluster's times the script prints each repetition's CPU
+steal (the VM's CPU time its hypervisor gave to others), so that a slow
+stretch the VM caused can be told from one of ours. Needs root and iproute2
+(see ``emulation.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ class LoopResult:
     #: Per fresh cluster, the lowest share of its sender's rate hoplite judged
     #: any relay at (``hoplite.broadcast.slow-relay.ratio`` reroutes below it).
     closest: list[float] = field(default_factory=list)
+    #: Per fresh cluster, every repetition's CPU steal: the share of the VM's
+    #: CPU time its hypervisor gave to others while the repetition ran
+    #: (``/proc/stat``; a slow stretch with steal is the VM's, not ours).
+    steal: list[list[float]] = field(default_factory=list)
     ok: bool = True
     note: str = ""
 
@@ -106,13 +113,30 @@ def _tcp_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int
     return ", ".join(moved) or "none"
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """The VM's CPU time so far, all of it and the part stolen by its
+    hypervisor, in ticks (``/proc/stat``'s first line; (0, 0) elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    steal = fields[7] if len(fields) > 7 else 0
+    return sum(fields[:8]), steal
+
+
+def _steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total = after[0] - before[0]
+    return (after[1] - before[1]) / total if total > 0 else 0.0
+
+
 def one_cluster(
     ec: EmulatedCluster, method: str, size: int, reps: int, diagnose: bool = False
-) -> tuple[list[float], str, int, float]:
+) -> tuple[list[float], str, int, float, list[float]]:
     """``reps + 1`` repetitions back to back on a fresh Dask cluster: their
     seconds, a note ("" when every consumer saw the source's bytes), the
-    relays hoplite rerouted around, and the lowest share of its sender's rate
-    it judged a relay at. With ``diagnose``, the workers record timelines,
+    relays hoplite rerouted around, the lowest share of its sender's rate
+    it judged a relay at, and each repetition's CPU steal. With ``diagnose``, the workers record timelines,
     each repetition reads every host's TCP counters before and after (a pause
     of some 0.1 s between repetitions), and the slowest warm repetition's
     timeline and counters are printed beside the median one's."""
@@ -124,6 +148,7 @@ def one_cluster(
     ec.start_dask(env=worker_env(**extra))
     seen: list[tuple[float, str, str]] = []  # diagnose: (seconds, timeline, counters)
     times: list[float] = []
+    steal: list[float] = []
     note = ""
     reroutes, closest = 0, float("nan")
     try:
@@ -135,6 +160,7 @@ def one_cluster(
             names = {a: f"w{i}" for i, a in enumerate(workers)}
             for rep in range(reps + 1):
                 tcp = _tcp_snapshot(ec) if diagnose else {}
+                ticks = _cpu_ticks()
                 x = client.submit(MAKERS["array"], size, rep, workers=[src], pure=False)
                 got = [
                     client.submit(
@@ -143,6 +169,7 @@ def one_cluster(
                     for w in receivers
                 ]
                 wait(got)
+                steal.append(_steal_share(ticks, _cpu_ticks()))
                 keys = [x.key, *(g.key for g in got)]
                 at = client.run_on_scheduler(_memory_at, keys=keys)
                 if len(at) != len(keys):
@@ -155,7 +182,8 @@ def one_cluster(
                     view = render(
                         collect(client, x.key), at[x.key], ec.rate_bytes_per_s, names=names
                     )
-                    seen.append((times[-1], view, _tcp_delta(tcp, _tcp_snapshot(ec))))
+                    counters = _tcp_delta(tcp, _tcp_snapshot(ec))
+                    seen.append((times[-1], view, f"{counters}; CPU steal {steal[-1]:.1%}"))
                 results = client.gather(got)
                 if len({tuple(r) for r in results}) != 1:
                     note = f"repetition {rep}: consumers saw different bytes"
@@ -171,7 +199,7 @@ def one_cluster(
         for what, (t, view, counters) in (("median", warm[len(warm) // 2]), ("slowest", warm[-1])):
             print(f"# {what} warm repetition: {t:.3f} s; TCP counters that moved: {counters}")
             print(view)
-    return times, note, reroutes, closest
+    return times, note, reroutes, closest, steal
 
 
 def _closest_relay(dask_scheduler: Any) -> float:
@@ -221,15 +249,17 @@ def main(argv: list[str] | None = None) -> int:
             for method in args.methods:
                 r = LoopResult(method, ec.n_workers, size, ec.rate_mbit, size / ec.rate_bytes_per_s)
                 for _ in range(args.clusters):
-                    times, note, reroutes, closest = one_cluster(
+                    times, note, reroutes, closest, steal = one_cluster(
                         ec, method, size, args.reps, args.diagnose
                     )
                     r.clusters.append(times)
                     r.reroutes.append(reroutes)
                     r.closest.append(closest)
+                    r.steal.append(steal)
                     if note:
                         r.ok, r.note = False, note
                     print(f"# {method} {format_bytes(size)}: {[round(t, 3) for t in times]}")
+                    print(f"#   CPU steal, %: {[round(100 * v, 1) for v in steal]}")
                 results.append(r)
     print()
     print_table(results)

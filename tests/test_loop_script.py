@@ -29,4 +29,8 @@ def test_the_loop_runs_back_to_back_on_fresh_clusters_for_both_methods(tmp_path)
         # a positive time from the source's end to the last consumer's.
         assert [len(c) for c in r["clusters"]] == [3, 3]
         assert all(t > 0 for c in r["clusters"] for t in c)
+        # and each repetition's CPU steal, a share of the VM's CPU time
+        assert [len(c) for c in r["steal"]] == [3, 3]
+        assert all(0 <= v <= 1 for c in r["steal"] for v in c)
     assert "p50   p90   max" in done.stdout
+    assert "CPU steal, %" in done.stdout
