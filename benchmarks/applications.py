@@ -45,6 +45,8 @@ import ensemble_serving as ensemble  # noqa: E402
 import harness  # noqa: E402
 import rl_weights  # noqa: E402
 
+from benchmarks.cpu_steal import cpu_times, steal_share  # noqa: E402
+
 #: Warm steps of each loop (queries of the ensemble, updates of SGD,
 #: iterations of RL) that its p50 and p90 are taken over; the first step of
 #: each loop, cold, is reported apart and counts in no figure.
@@ -60,21 +62,6 @@ def timed(fn: Callable[..., Any], *args: Any, runs: int = 3) -> float:
         fn(*args)
         seconds.append(time.perf_counter() - t0)
     return statistics.median(seconds)
-
-
-def cpu_times() -> list[int]:
-    """This machine's CPU time counters (``/proc/stat``, all CPUs): user,
-    nice, system, idle, iowait, irq, softirq, steal, in clock ticks."""
-    with open("/proc/stat") as f:
-        return [int(x) for x in f.readline().split()[1:9]]
-
-
-def steal_share(before: list[int], after: list[int]) -> float:
-    """The share of CPU time the hypervisor took away (steal) between two
-    :func:`cpu_times`: on a virtual machine whose host is busy, every figure
-    of the run is slower than the machine itself would make it."""
-    delta = [b - a for a, b in zip(before, after, strict=True)]
-    return delta[7] / max(1, sum(delta))
 
 
 def nbytes(tree: Any) -> int:

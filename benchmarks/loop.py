@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
 from benchmarks.broadcast import quantile, worker_env  # noqa: E402
+from benchmarks.cpu_steal import cpu_times, steal_share  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
 from benchmarks.objects import MAKERS, fingerprint  # noqa: E402
 
@@ -113,33 +114,17 @@ def _tcp_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int
     return ", ".join(moved) or "none"
 
 
-def _cpu_ticks() -> tuple[int, int]:
-    """The VM's CPU time so far, all of it and the part stolen by its
-    hypervisor, in ticks (``/proc/stat``'s first line; (0, 0) elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0, 0
-    steal = fields[7] if len(fields) > 7 else 0
-    return sum(fields[:8]), steal
-
-
-def _steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
-    total = after[0] - before[0]
-    return (after[1] - before[1]) / total if total > 0 else 0.0
-
-
 def one_cluster(
     ec: EmulatedCluster, method: str, size: int, reps: int, diagnose: bool = False
 ) -> tuple[list[float], str, int, float, list[float]]:
     """``reps + 1`` repetitions back to back on a fresh Dask cluster: their
     seconds, a note ("" when every consumer saw the source's bytes), the
-    relays hoplite rerouted around, the lowest share of its sender's rate
-    it judged a relay at, and each repetition's CPU steal. With ``diagnose``, the workers record timelines,
-    each repetition reads every host's TCP counters before and after (a pause
-    of some 0.1 s between repetitions), and the slowest warm repetition's
-    timeline and counters are printed beside the median one's."""
+    relays hoplite rerouted around, the lowest share of its sender's rate it
+    judged a relay at, and each repetition's CPU steal. With ``diagnose``,
+    the workers record timelines, each repetition reads every host's TCP
+    counters before and after (a pause of some 0.1 s between repetitions),
+    and the slowest warm repetition's timeline and counters are printed
+    beside the median one's."""
     from distributed import Client, wait
 
     import dask_hoplite
@@ -160,7 +145,7 @@ def one_cluster(
             names = {a: f"w{i}" for i, a in enumerate(workers)}
             for rep in range(reps + 1):
                 tcp = _tcp_snapshot(ec) if diagnose else {}
-                ticks = _cpu_ticks()
+                ticks = cpu_times()
                 x = client.submit(MAKERS["array"], size, rep, workers=[src], pure=False)
                 got = [
                     client.submit(
@@ -169,7 +154,7 @@ def one_cluster(
                     for w in receivers
                 ]
                 wait(got)
-                steal.append(_steal_share(ticks, _cpu_ticks()))
+                steal.append(steal_share(ticks, cpu_times()))
                 keys = [x.key, *(g.key for g in got)]
                 at = client.run_on_scheduler(_memory_at, keys=keys)
                 if len(at) != len(keys):

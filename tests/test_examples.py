@@ -148,7 +148,7 @@ def test_the_benchmark_reports_the_cpu_time_its_hypervisor_took():
     """benchmarks/applications.py prints the steal share of each application's
     runs (a busy virtual-machine host slows every figure of a run)."""
     sys.path.insert(0, ROOT)
-    from benchmarks.applications import cpu_times, steal_share
+    from benchmarks.cpu_steal import cpu_times, steal_share
 
     before = cpu_times()
     assert len(before) == 8 and all(t >= 0 for t in before)
