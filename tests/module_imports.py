@@ -149,3 +149,28 @@ def spans(path: str, module: str) -> Iterator[Span]:
                 yield from walk(child, prefix)
 
     yield from walk(tree, "")
+
+
+def callers(name: str, known: dict[str, str] | None = None) -> set[str]:
+    """Where ``name`` is called, as ``module:Qualified.function`` of the
+    enclosing function (``module`` for a call at module level): a call of the
+    bare name or of an attribute of that name (``x.name(...)``)."""
+    known = modules() if known is None else known
+    out: set[str] = set()
+
+    def walk(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            here = where
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                here = f"{where}.{child.name}" if ":" in where else f"{where}:{child.name}"
+            elif isinstance(child, ast.Call):
+                f = child.func
+                if (isinstance(f, ast.Name) and f.id == name) or (
+                    isinstance(f, ast.Attribute) and f.attr == name
+                ):
+                    out.add(where)
+            walk(child, here)
+
+    for mod, path in known.items():
+        walk(ast.parse(open(path).read(), path), mod)
+    return out

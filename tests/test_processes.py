@@ -4,6 +4,9 @@ validation on, client.restart, and the 64-consumer acceptance workload."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 
 import dask
 import numpy as np
@@ -299,3 +302,74 @@ def test_cancelling_a_running_reduce_stops_its_tree_and_frees_its_buffers():
             time.sleep(0.1)
         again = dh.reduce(futures, "sum", parts=1).result()
         assert again[0] == 6.0 and again[-1] == 6.0
+
+
+@contextlib.contextmanager
+def workers_without_nannies(n: int):
+    """A scheduler here and ``n`` worker processes with no nanny (a worker
+    whose heartbeats stop is removed, not restarted), the plugin registered:
+    yields (client, the workers' processes by address)."""
+    import subprocess
+    import sys
+
+    with LocalCluster(
+        n_workers=0, processes=False, protocol="tcp://", dashboard_address=":0"
+    ) as cluster:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address]
+                + ["--no-nanny", "--nthreads", "1", "--no-dashboard"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                # this module's functions, run on the workers, are found by name
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            )
+            for _ in range(n)
+        ]
+        try:
+            with Client(cluster) as c:
+                c.wait_for_workers(n, timeout=60)
+                c.register_plugin(dh.Hoplite())
+                pids = c.run(os.getpid)
+                by_pid = {p.pid: p for p in procs}
+                yield c, {a: by_pid[pid] for a, pid in pids.items()}
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)
+                    p.kill()
+                p.wait(timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_participant_is_repaired_once_the_scheduler_removes_it():
+    """A reduce tree runs when one of its nodes' worker hangs (SIGSTOP, no
+    nanny to kill it): no stream breaks, and the stall timeout is 60 s. Once
+    the scheduler removes that worker (its heartbeats stopped), Dask tells
+    every worker, which closes its pooled comms to it: the root's call to the
+    node and its parent's stream break, and the node is repaired (or the tree
+    restarted) well within the stall timeout, with the right result."""
+    import time
+
+    with (
+        dask.config.set({"distributed.scheduler.worker-ttl": "2s"}),
+        workers_without_nannies(3) as (c, procs),
+    ):
+        ws = worker_addresses(c)
+        c.run(_stall_timeout, seconds=60)
+        n = 2**25  # 256 MiB of float64 per input
+        futures = [  # the stopped worker's input is recomputed elsewhere
+            c.submit(np.full, n, float(i + 1), workers=[w], allow_other_workers=True, pure=False)
+            for i, w in enumerate(ws)
+        ]
+        wait(futures)
+        total = dh.reduce(futures, "sum", to=ws[0], parts=1)
+        t0 = time.monotonic()
+        while not c.run(_partials, workers=[ws[0]])[ws[0]]:
+            assert time.monotonic() - t0 < 60 and not total.done()
+            time.sleep(0.005)
+        procs[ws[2]].send_signal(signal.SIGSTOP)
+        result = total.result(timeout=45)  # the stall timeout alone would take 60 s
+        assert result[0] == 6.0 and result[-1] == 6.0
+        actions = {e.get("action") for _, e in c.get_events("hoplite")}
+        assert actions & {"reduce-repaired", "reduce-restarts"}, c.get_events("hoplite")

@@ -24,6 +24,7 @@ from dask_hoplite.core.reduce_plan import (
     is_small,
     plan_from_msg,
     plan_reduction,
+    plan_without_hoplite,
     relocated_spec,
 )
 from dask_hoplite.errors import ReduceInputLost
@@ -127,7 +128,8 @@ def test_the_shape_follows_the_size_the_workers_and_the_call():
     assert isinstance(plan(big, parts=4), SplitTrees) and len(plan(big, parts=4).specs) == 4
     assert isinstance(plan(big, allreduce=True), SegmentedAllreduce)
     assert isinstance(plan(big, allreduce=True, segment_min_bytes=2**40), AllreduceTree)
-    alone = plan(big, net=None, allreduce=True)  # dask-hoplite not on the cluster
+    # dask-hoplite not on the cluster
+    alone = plan_without_hoplite(request(keys, allreduce=True), keys, who_has)
     assert isinstance(alone, OneTask) and not alone.registered
     assert alone.copies == tuple(WORKERS[1:4])
 
@@ -231,7 +233,11 @@ def test_an_allreduce_has_one_output_per_input_and_one_part_per_worker(case, hop
     keys, _, who_has, _, size, _, _ = case
     inputs = keys + keys[:2]  # an input given twice is two outputs
     req = request(inputs, allreduce=True)
-    plan = plan_reduction(req, inputs, who_has, dict.fromkeys(keys, size), NET if hoplite else None)
+    plan = (
+        plan_reduction(req, inputs, who_has, dict.fromkeys(keys, size), NET)
+        if hoplite
+        else plan_without_hoplite(req, inputs, who_has)
+    )
     workers = output_workers(inputs, who_has)
     roles = output_roles(plan, workers)
     assert len(roles) == len(output_keys(req)) == len(inputs)

@@ -7,7 +7,7 @@ they are, how fast the network is) into a :class:`Plan`, one of:
 - :class:`OneTask`: one task on ``worker`` fetches the inputs and reduces
   them, as Dask alone would: objects under ``hoplite.min-bytes`` (the
   small-object rule, :func:`is_small`, decided here only), or a cluster
-  without dask-hoplite;
+  without dask-hoplite (:func:`plan_without_hoplite`);
 - :class:`Tree`: one pipelined reduce tree (a :class:`ReduceSpec`) rooted on
   the worker holding the root's input; inputs that are dicts of arrays are
   reduced leaf by leaf (``leaves``), one tree per leaf;
@@ -24,11 +24,13 @@ they are, how fast the network is) into a :class:`Plan`, one of:
 A tree that broke and restarts is placed again here too
 (:func:`relocated_spec`): the same shape, every input where it is now.
 
-Every caller gets its plan here: :func:`dask_hoplite.reduce`'s planning task
-(:mod:`dask_hoplite.worker.planned_reduce`), :func:`dask_hoplite.allreduce`,
-and the dask.array/bag aggregates taken over on a worker
-(:mod:`dask_hoplite.worker.aggregate`). The worker shells dispatch once, on
-the plan's type. A plan travels as a msgpack-able dict
+One caller plans: the scheduler's reduction coordinator
+(:mod:`dask_hoplite.scheduler.reduction_coordinator`), for
+:func:`dask_hoplite.reduce`'s planning task, :func:`dask_hoplite.allreduce`,
+the dask.array/bag aggregates taken over on a worker, an allreduce's
+fallback to a plain tree and a broken tree's restart. On a cluster without
+dask-hoplite a planning task takes :func:`plan_without_hoplite`. The worker
+shells dispatch once, on the plan's type. A plan travels as a msgpack-able dict
 (:meth:`~_PlanBase.to_msg`, :func:`plan_from_msg`).
 
 Every plan lists the input keys the result contains (``chosen``) and the ones
@@ -97,6 +99,23 @@ class PlanRequest:
     def plan_key(self) -> str:
         """The key of a reduction's planning task."""
         return f"hoplite-plan-{self.op}-{self.rid}"
+
+    def to_msg(self) -> dict[str, Any]:
+        """The request as a msgpack-able dict (what the scheduler plans from)."""
+        msg = dataclasses.asdict(self)
+        msg["inputs"], msg["leaves"] = list(self.inputs), list(self.leaves)
+        return msg
+
+    @classmethod
+    def from_msg(cls, m: Mapping[str, Any]) -> PlanRequest:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(m) - names
+        if unknown:
+            raise ValueError(f"a reduction request with unknown fields {sorted(unknown)}")
+        fields = dict(m)
+        fields["inputs"] = tuple(m["inputs"])
+        fields["leaves"] = tuple(m.get("leaves") or (None,))
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -259,11 +278,12 @@ def plan_reduction(
     chosen: Sequence[Key],
     who_has: Mapping[Key, Sequence[str]],
     nbytes: Mapping[Key, int],
-    net: NetworkEstimate | None,
+    net: NetworkEstimate,
 ) -> Plan:
     """The plan for reducing ``chosen`` (every one held somewhere: ``who_has``
     lists a holder for each; an input on ``req.to`` is taken from there), as
-    ``req`` asks; ``net`` is None on a cluster without dask-hoplite."""
+    ``req`` asks. Called by the scheduler's reduction coordinator only
+    (:mod:`dask_hoplite.scheduler.reduction_coordinator`)."""
     plan = _plan(req, chosen, who_has, nbytes, net)
     logger.debug(
         "reduction %s planned: %s of %d inputs, root %s", req.rid, plan.TAG, len(chosen), plan.root
@@ -271,13 +291,19 @@ def plan_reduction(
     return plan
 
 
-def _plan(
-    req: PlanRequest,
-    chosen: Sequence[Key],
-    who_has: Mapping[Key, Sequence[str]],
-    nbytes: Mapping[Key, int],
-    net: NetworkEstimate | None,
-) -> Plan:
+def plan_without_hoplite(
+    req: PlanRequest, chosen: Sequence[Key], who_has: Mapping[Key, Sequence[str]]
+) -> OneTask:
+    """The plan on a cluster without dask-hoplite: one task fetches the
+    chosen inputs and reduces them, as Dask alone would."""
+    addresses, base = _placed(req, chosen, who_has)
+    return _one_task(req, base, addresses, registered=False)
+
+
+def _placed(
+    req: PlanRequest, chosen: Sequence[Key], who_has: Mapping[Key, Sequence[str]]
+) -> tuple[list[str], dict[str, Any]]:
+    """The worker each chosen input is taken from, and the fields every plan has."""
     addresses = [input_worker(key, who_has, req.to) for key in chosen]
     if req.root_input is not None:
         assert req.to is not None, "root_input goes with to"
@@ -292,12 +318,30 @@ def _plan(
         "chosen": tuple(chosen),
         "spares": tuple(spares),
     }
+    return addresses, base
+
+
+def _one_task(
+    req: PlanRequest, base: dict[str, Any], addresses: list[str], registered: bool
+) -> OneTask:
+    worker = req.to or addresses[0]
+    copies = tuple(sorted(set(addresses) - {worker})) if req.allreduce else ()
+    return OneTask(**base, worker=worker, copies=copies, registered=registered)
+
+
+def _plan(
+    req: PlanRequest,
+    chosen: Sequence[Key],
+    who_has: Mapping[Key, Sequence[str]],
+    nbytes: Mapping[Key, int],
+    net: NetworkEstimate,
+) -> Plan:
+    addresses, base = _placed(req, chosen, who_has)
+    spares = base["spares"]
     size = max(int(nbytes.get(key, 0) or 0) for key in chosen)
     distinct = list(dict.fromkeys(addresses))
-    if net is None or is_small(size, req.min_bytes):
-        worker = req.to or addresses[0]
-        copies = tuple(sorted(set(addresses) - {worker})) if req.allreduce else ()
-        return OneTask(**base, worker=worker, copies=copies, registered=net is not None)
+    if is_small(size, req.min_bytes):
+        return _one_task(req, base, addresses, registered=True)
     if req.allreduce:
         if len(distinct) >= 3 and size // len(distinct) >= req.segment_min_bytes:
             specs, roots = segmented_allreduce_specs(

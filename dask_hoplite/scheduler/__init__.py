@@ -9,6 +9,8 @@ only wires the rest into the scheduler and takes it out again:
   and telling the workers whose tasks need them;
 - :mod:`.queries`: read-only RPCs reductions and collectives plan with;
 - :mod:`.client`: their other side, what workers and clients ask the scheduler part;
+- :mod:`.reduction_coordinator`: every reduction run's plan, made here (a
+  reduce, an allreduce, a graph aggregate, a fallback, a broken tree's restart);
 - :mod:`.first_ready`: the first ``k`` of a reduction's inputs to be ready;
 - :mod:`.spares_used`: which inputs a result holds when spares replaced lost ones;
 - :mod:`.cancellation`: a collective task cancelled while it runs is stopped on its worker;

@@ -1,9 +1,10 @@
 """What workers and clients ask the scheduler part, beyond Dask's own RPCs.
 
 Thin coroutines over an RPC handle to the scheduler (``worker.scheduler`` or
-``client.scheduler``), each returning plain data: the network estimate reduce
-trees are planned with, where keys are and how big, and a wait for the holders
-of keys that Dask is recomputing from their lineage.
+``client.scheduler``), each returning plain data: a reduction's plan from the
+scheduler's reduction coordinator, the network estimate, where keys are and
+how big, and a wait for the holders of keys that Dask is recomputing from
+their lineage.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from dask.typing import Key
+from distributed import KilledWorker
+from distributed.protocol import pickle
+from distributed.protocol.serialize import Serialized, deserialize
 
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.network_model import NetworkEstimate, NetworkModel
+from dask_hoplite.core.reduce_plan import PlanRequest
+from dask_hoplite.core.reduce_spec import ReduceSpec
 from dask_hoplite.errors import ReduceInputLost
 
 logger = logging.getLogger(__name__)
@@ -108,3 +114,78 @@ async def wait_for_holders(
                 f"{states.get(key)!r}) and nothing changed for {queue_timeout:g}s"
             )
         await asyncio.sleep(poll)
+
+
+async def request_plan(
+    scheduler: Any,
+    req: PlanRequest,
+    who_has: dict[Key, list[str]] | None = None,
+    nbytes: dict[Key, int] | None = None,
+) -> dict[str, Any]:
+    """The scheduler's answer to ``hoplite_plan_reduction`` for ``req``
+    (:class:`~dask_hoplite.scheduler.reduction_coordinator.ReductionCoordinator`):
+    ``{"plan": ...}``, and an allreduce's output roles. Raises
+    :class:`ValueError` for a ``to`` that is no worker, and the error of an
+    input that cannot come back."""
+    kwargs: dict[str, Any] = {"request": req.to_msg()}
+    if who_has is not None:
+        kwargs.update(who_has=who_has, nbytes=nbytes)
+    answer: dict[str, Any] = await scheduler.hoplite_plan_reduction(**kwargs)
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    if "failed" in answer:
+        await raise_lost(answer["failed"], answer["state"], answer.get("exception"))
+    return answer
+
+
+async def replan_tree(
+    scheduler: Any,
+    spec: ReduceSpec,
+    root: str,
+    avoid: set[str],
+    *,
+    queue_timeout: float,
+    stall_timeout: float,
+) -> tuple[ReduceSpec, dict[Key, Key]]:
+    """Tree ``spec`` as a new run rooted on ``root``, with every input where
+    it is now, and the lost inputs spares replaced (lost -> spare), from the
+    scheduler's reduction coordinator (``hoplite_replan_tree``). Raises
+    :class:`ReduceInputLost` for an input that cannot come back."""
+    answer = await scheduler.hoplite_replan_tree(
+        spec=spec.to_msg(),
+        root=root,
+        avoid=sorted(avoid),
+        queue_timeout=queue_timeout,
+        stall_timeout=stall_timeout,
+    )
+    if "failed" in answer:
+        raise ReduceInputLost(answer["why"])
+    return ReduceSpec.from_msg(answer["spec"]), {lost: spare for lost, spare in answer["swaps"]}
+
+
+def _exception(value: Any) -> BaseException | None:
+    """An erred task's exception as the scheduler keeps it (serialized)."""
+    if isinstance(value, Serialized):
+        value = deserialize(value.header, value.frames)
+    if isinstance(value, bytes):
+        value = pickle.loads(value)
+    return value if isinstance(value, BaseException) else None
+
+
+async def raise_lost(key: Key, state: str | None, exception: Any) -> None:
+    """Raise the error of input ``key`` that cannot come back (``exception``:
+    its task's, as the scheduler keeps it, or None): Dask's KilledWorker as
+    it is, any other error named after the input."""
+    error = _exception(exception)
+    if isinstance(error, KilledWorker):
+        raise error
+    if state == "erred":
+        raise ReduceInputLost(
+            f"input {key!r} of the reduction failed: {error!r}"
+            if error is not None
+            else f"input {key!r} of the reduction failed (its future holds the error)"
+        ) from error
+    raise ReduceInputLost(
+        f"input {key!r} of the reduction is gone and cannot be recomputed "
+        f"(scheduler state: {state or 'unknown'}); was it cancelled or released?"
+    )

@@ -57,6 +57,7 @@ from dask_hoplite.scheduler.metrics import SCHEDULER_SERIES, SchedulerSource
 from dask_hoplite.scheduler.peers import Peers
 from dask_hoplite.scheduler.prompt_stealing import PromptStealing
 from dask_hoplite.scheduler.queries import SchedulerQueries
+from dask_hoplite.scheduler.reduction_coordinator import ReductionCoordinator
 from dask_hoplite.scheduler.replicate import ReplicateOverride
 from dask_hoplite.scheduler.spares_used import SparesUsed
 from dask_hoplite.worker.context import PLUGIN_NAME
@@ -106,6 +107,7 @@ class Hoplite(SchedulerPlugin):
         self.sizes: MeasuredSizesService | None = None
         self.replicator: ReplicateOverride | None = None
         self.first_ready: FirstReady | None = None
+        self.reductions: ReductionCoordinator | None = None
         self.prompt_stealing: PromptStealing | None = None
         self.spares_used: SparesUsed | None = None
         self.cancels: CollectiveCancels | None = None
@@ -158,8 +160,8 @@ class Hoplite(SchedulerPlugin):
 
     def _build(self, s: Scheduler, config: HopliteConfig, previous: Hoplite | None) -> None:
         """The services, overrides and handler table; the directory, network
-        model, parked requests, replicate pins, measured sizes and spares
-        records of ``previous`` if given."""
+        model, parked requests, replicate pins, measured sizes, spares
+        records and reduction run count of ``previous`` if given."""
         sizes = MeasuredSizes()
         if previous is not None:
             self.directory, self.network = previous.directory, previous.network
@@ -197,6 +199,14 @@ class Hoplite(SchedulerPlugin):
         self.series = SchedulerSource(lambda: s.address, service, self.collectives)
         queries = SchedulerQueries(s.tasks.get, network)
         self.first_ready = first_ready = FirstReady(s.tasks.get, network)
+        self.reductions = reductions = ReductionCoordinator(
+            first_ready,
+            network,
+            s.tasks.get,
+            lambda: s.workers,
+            s.set_restrictions,
+            counter=previous.reductions.counter if previous and previous.reductions else None,
+        )
         spares_used = self.spares_used
         if COLLECTIVES in self.features:
             self.cancels = CollectiveCancels(send)
@@ -240,6 +250,8 @@ class Hoplite(SchedulerPlugin):
             "hoplite_key_states": queries.key_states,
             "hoplite_task_worker": queries.task_worker,
             "hoplite_first_ready": first_ready.first_ready,
+            "hoplite_plan_reduction": reductions.plan_reduction,
+            "hoplite_replan_tree": reductions.replan_tree,
             "hoplite_spares_used": spares_used.used,
             "hoplite_reduced_inputs": spares_used.reduced_inputs,
             "hoplite_worker_features": peers.reported,

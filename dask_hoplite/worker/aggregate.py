@@ -30,11 +30,11 @@ from distributed.worker_state_machine import StateMachineEvent
 
 from dask_hoplite.compat import private
 from dask_hoplite.core.graph_reduce import GraphReduce
-from dask_hoplite.core.reduce_plan import PlanRequest, Tree, is_small, plan_reduction
+from dask_hoplite.core.reduce_plan import PlanRequest, Tree, is_small, plan_from_msg
 from dask_hoplite.core.reduce_spec import check_input, select_field
 from dask_hoplite.errors import ReduceInputError
 from dask_hoplite.patching import AttributePatch
-from dask_hoplite.scheduler.client import network_estimate
+from dask_hoplite.scheduler.client import request_plan
 from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, run_on_loop
 from dask_hoplite.worker.reduce_root import ReduceRoots
 
@@ -141,8 +141,8 @@ class AggregateTakeover:
             to=me,  # a local part at the root: its value is the root's operand
             leaves=fn.fields or (None,),
         )
-        net = await network_estimate(w.scheduler)
-        plan = plan_reduction(req, keys, who_has, nbytes, net)
+        answer = await request_plan(w.scheduler, req, who_has, nbytes)
+        plan = plan_from_msg(answer["plan"])
         assert isinstance(plan, Tree), plan  # large parts, one result here
         specs = plan.leaf_specs()
         root_key = plan.spec.inputs[plan.spec.root]

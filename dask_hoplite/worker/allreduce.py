@@ -33,11 +33,11 @@ from distributed.metrics import time as dask_time
 
 from dask_hoplite.core.protocol import StreamRequest
 from dask_hoplite.core.reduce_ops import resolve_op
-from dask_hoplite.core.reduce_plan import PlanRequest, Tree, plan_reduction
+from dask_hoplite.core.reduce_plan import PlanRequest, Tree, plan_from_msg
 from dask_hoplite.core.reduce_spec import ReduceSpec, as_input, flat_shape, join_segments
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.errors import CollectiveAborted, ReduceInputError, as_exception
-from dask_hoplite.scheduler.client import network_estimate
+from dask_hoplite.scheduler.client import request_plan
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, cancel_quietly
 from dask_hoplite.worker.reduce_root import ReduceRoots
@@ -186,8 +186,8 @@ class Allreduce:
             to=w.address,
             root_input=0,  # ``value`` is this input's
         )
-        net = await network_estimate(w.scheduler)
-        plan = plan_reduction(req, keys, holders, dict.fromkeys(keys, size), net)
+        answer = await request_plan(w.scheduler, req, holders, dict.fromkeys(keys, size))
+        plan = plan_from_msg(answer["plan"])
         assert isinstance(plan, Tree), plan
         return await self.roots.run(value, plan.spec.to_msg())
 

@@ -3,11 +3,11 @@
 :func:`dask_hoplite.allreduce` and :func:`dask_hoplite.allgather` return as
 fast as ``client.submit``: one graph of a planning task with no dependencies
 and one output task per input. The planning task waits on the cluster for
-every input to be ready (:func:`~dask_hoplite.worker.planned_reduce.first_ready`),
-restricts output ``i`` to the worker that holds input ``i`` (loosely: if that
-worker dies, Dask runs it elsewhere), and, for an allreduce, plans with
-:mod:`dask_hoplite.core.reduce_plan` and gives each output its role
-(:mod:`dask_hoplite.core.allreduce_outputs`). Each output task then runs its
+every input to be ready and restricts output ``i`` to the worker that holds
+input ``i`` (loosely: if that worker dies, Dask runs it elsewhere); for an
+allreduce, the scheduler's reduction coordinator
+(:mod:`dask_hoplite.scheduler.reduction_coordinator`) does both, plans, and
+gives each output its role (:mod:`dask_hoplite.core.allreduce_outputs`). Each output task then runs its
 role (:func:`run_allreduce_output`); an allgather's outputs are ordinary
 tasks that depend on the inputs, which Dask fetches (through hoplite's
 streams where it runs).
@@ -28,17 +28,17 @@ from dask_hoplite.core.reduce_plan import (
     PlanRequest,
     SegmentedAllreduce,
     plan_from_msg,
-    plan_reduction,
+    plan_without_hoplite,
 )
 from dask_hoplite.core.reduce_spec import as_input, reduce_values
 from dask_hoplite.errors import NotRegistered
+from dask_hoplite.scheduler.client import METADATA_KEY, request_plan
 from dask_hoplite.worker.context import secede_coroutine
 from dask_hoplite.worker.planned_reduce import (
     fetch_values,
     first_ready,
     run_plan,
     running_part,
-    this_run,
 )
 from dask_hoplite.worker.receiver import get_data_or_reschedule
 from dask_hoplite.worker.small_allreduce import COMING
@@ -46,14 +46,21 @@ from dask_hoplite.worker.small_allreduce import COMING
 
 async def plan_allreduce(w: Worker, req: PlanRequest) -> dict[str, Any]:
     """The planning task of an allreduce: once every input is ready, its plan,
-    each output's role and worker; output ``i`` is restricted to that worker."""
+    each output's role and worker; output ``i`` is restricted to that worker
+    (by the scheduler's reduction coordinator, where dask-hoplite runs)."""
     secede_coroutine(w, req.plan_key)
-    ready = await first_ready(w, req)
-    plan = plan_reduction(this_run(req), ready.chosen, ready.who_has, ready.nbytes, ready.net)
-    workers = await _place_outputs(w, req, ready.who_has)
+    if await w.scheduler.get_metadata(keys=[METADATA_KEY], default=None) is not None:
+        answer = await request_plan(w.scheduler, req)
+        plan = plan_from_msg(answer["plan"])
+        roles, workers = answer["roles"], answer["workers"]
+    else:
+        ready = await first_ready(w, req)
+        plan = plan_without_hoplite(req, ready.chosen, ready.who_has)
+        workers = await _place_outputs(w, req, ready.who_has)
+        roles = output_roles(plan, workers)
     return {
         "plan": plan.to_msg(),
-        "roles": output_roles(plan, workers),
+        "roles": roles,
         "outputs": output_keys(req),
         "workers": workers,
         "chosen": list(plan.chosen),

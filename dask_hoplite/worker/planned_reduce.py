@@ -4,12 +4,14 @@
 two tasks in one graph, a planning task with no dependencies and the result
 task, which depends only on the plan. The planning task
 (:func:`choose_and_plan`) waits on the cluster for the first ``k`` inputs to be
-ready (the scheduler part's ``hoplite_first_ready``; without dask-hoplite,
-``as_completed`` on the worker's client), plans with
-:mod:`dask_hoplite.core.reduce_plan`, and restricts the result task to the
-root's worker (it was submitted with loose restrictions: if that worker dies,
-Dask runs it elsewhere). The result task (:func:`run_plan`) runs the reduce
-tree rooted there, or fetches the inputs and reduces them in one go.
+ready and plans: it asks the scheduler's reduction coordinator
+(:mod:`dask_hoplite.scheduler.reduction_coordinator`), which restricts the
+result task to the root's worker (it was submitted with loose restrictions:
+if that worker dies, Dask runs it elsewhere); without dask-hoplite, it polls
+the scheduler's task states and takes
+:func:`~dask_hoplite.core.reduce_plan.plan_without_hoplite`. The result task
+(:func:`run_plan`) runs the reduce tree rooted there, or fetches the inputs
+and reduces them in one go.
 
 An input that becomes ready and then loses its holder before the plan is made
 is not ready any more: the scheduler recomputes it, and with ``k < n`` a
@@ -22,27 +24,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import uuid
 from typing import Any
 
 from dask.typing import Key
-from distributed import KilledWorker
-from distributed.protocol import pickle
-from distributed.protocol.serialize import Serialized, deserialize
 from distributed.worker import Worker
 
-from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.reduce_plan import (
     OneTask,
+    Plan,
     PlanRequest,
     SplitTrees,
     Tree,
     plan_from_msg,
-    plan_reduction,
+    plan_without_hoplite,
 )
 from dask_hoplite.core.reduce_spec import reduce_values
-from dask_hoplite.errors import NotRegistered, ReduceInputLost
-from dask_hoplite.scheduler.client import METADATA_KEY
+from dask_hoplite.errors import NotRegistered
+from dask_hoplite.scheduler.client import METADATA_KEY, raise_lost, request_plan
 from dask_hoplite.worker.context import PLUGIN_NAME
 from dask_hoplite.worker.receiver import get_data_or_reschedule
 
@@ -60,8 +58,21 @@ def running_part(w: Worker) -> Any:
 
 
 async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
-    """The plan of reduction ``req`` once ``k`` of its inputs are ready; the
-    result task is then restricted to the plan's root."""
+    """The plan of reduction ``req`` once ``k`` of its inputs are ready, made
+    by the scheduler's reduction coordinator, which restricts the result task
+    to the plan's root."""
+    plan: Plan
+    if await w.scheduler.get_metadata(keys=[METADATA_KEY], default=None) is None:
+        plan = await _plan_without_hoplite(w, req)
+    else:
+        answer = await request_plan(w.scheduler, req)
+        plan = plan_from_msg(answer["plan"])
+    return {**plan.to_msg(), TASK_FIELD: req.result}
+
+
+async def _plan_without_hoplite(w: Worker, req: PlanRequest) -> OneTask:
+    """Dask alone: one task on the result's worker reduces the first ``k``
+    inputs to be ready."""
     if req.to is not None:
         workers = (await w.scheduler.identity())["workers"]
         if req.to not in workers:
@@ -69,31 +80,18 @@ async def choose_and_plan(w: Worker, req: PlanRequest) -> dict[str, Any]:
                 f"to={req.to!r} is not a worker of this cluster; workers: {sorted(workers)}"
             )
     ready = await first_ready(w, req)
-    plan = plan_reduction(this_run(req), ready.chosen, ready.who_has, ready.nbytes, ready.net)
+    plan = plan_without_hoplite(req, ready.chosen, ready.who_has)
     if req.result is not None:
         await w.scheduler.set_restrictions(worker={req.result: [plan.root]})
-    return {**plan.to_msg(), TASK_FIELD: req.result}
-
-
-def this_run(req: PlanRequest) -> PlanRequest:
-    """``req`` as one computation of its plan, with an id of its own.
-
-    Each computation of a plan is its own run: Dask computes the plan again
-    when the worker holding it dies, and the tasks that run it may then start
-    on a new root while the first run goes on; partial results and reduce
-    nodes are named after the run, so the two never share them."""
-    return dataclasses.replace(req, rid=f"{req.rid}-{uuid.uuid4().hex[:8]}")
+    return plan
 
 
 @dataclasses.dataclass(frozen=True)
 class Ready:
-    """The first ``k`` inputs of a request to be ready, where they are, their
-    sizes, and the network estimate (None: dask-hoplite is not registered)."""
+    """The first ``k`` inputs of a request to be ready and where they are."""
 
     chosen: list[Key]
     who_has: dict[Key, list[str]]
-    nbytes: dict[Key, int]
-    net: NetworkEstimate | None
 
 
 async def first_ready(w: Worker, req: PlanRequest) -> Ready:
@@ -102,16 +100,16 @@ async def first_ready(w: Worker, req: PlanRequest) -> Ready:
     keys: list[Key] = list(req.inputs)
     registered = await w.scheduler.get_metadata(keys=[METADATA_KEY], default=None)
     if registered is None:
-        return Ready(*await _first_ready_without_plugin(w, keys, req.k), None)
+        return Ready(*await _first_ready_without_plugin(w, keys, req.k))
     m = await w.scheduler.hoplite_first_ready(keys=keys, k=req.k)
     if "failed" in m:
-        await _raise_lost(m["failed"], m["state"], _exception(m.get("exception")))
-    return Ready(m["chosen"], m["who_has"], m["nbytes"], NetworkEstimate.from_msg(m["network"]))
+        await raise_lost(m["failed"], m["state"], m.get("exception"))
+    return Ready(m["chosen"], m["who_has"])
 
 
 async def _first_ready_without_plugin(
     w: Worker, keys: list[Key], k: int, poll: float = 0.05
-) -> tuple[list[Key], dict[Key, list[str]], dict[Key, int]]:
+) -> tuple[list[Key], dict[Key, list[str]]]:
     """Dask alone: the first ``k`` of ``keys`` in memory, with holders, by
     asking the scheduler's task states every ``poll`` seconds."""
     seen: dict[Key, None] = {}  # ready keys, in the order first seen ready
@@ -127,38 +125,11 @@ async def _first_ready_without_plugin(
         if len(ready) == k:
             who_has = await w.scheduler.who_has(keys=ready)
             if all(who_has.get(key) for key in ready):
-                nbytes = await w.scheduler.nbytes(keys=ready, summary=False)
-                return ready, who_has, nbytes
+                return ready, who_has
         elif failed and len(keys) - len(failed) < k:
             key = failed[0]
-            await _raise_lost(key, states.get(key), None)
+            await raise_lost(key, states.get(key), None)
         await asyncio.sleep(poll)
-
-
-def _exception(value: Any) -> BaseException | None:
-    """An erred task's exception as the scheduler keeps it (serialized)."""
-    if isinstance(value, Serialized):
-        value = deserialize(value.header, value.frames)
-    if isinstance(value, bytes):
-        value = pickle.loads(value)
-    return value if isinstance(value, BaseException) else None
-
-
-async def _raise_lost(key: Key, state: str | None, exception: BaseException | None) -> None:
-    """Raise the error of input ``key`` that cannot come back: Dask's
-    KilledWorker as it is, any other error named after the input."""
-    if isinstance(exception, KilledWorker):
-        raise exception
-    if state == "erred":
-        raise ReduceInputLost(
-            f"input {key!r} of the reduction failed: {exception!r}"
-            if exception is not None
-            else f"input {key!r} of the reduction failed (its future holds the error)"
-        ) from exception
-    raise ReduceInputLost(
-        f"input {key!r} of the reduction is gone and cannot be recomputed "
-        f"(scheduler state: {state or 'unknown'}); was it cancelled or released?"
-    )
 
 
 async def run_plan(w: Worker, plan_msg: dict[str, Any]) -> Any:

@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import math
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,6 @@ from dask.typing import Key
 
 from dask_hoplite.core.pytrees import is_pytree, layout_of, unpack
 from dask_hoplite.core.reduce_ops import resolve_op
-from dask_hoplite.core.reduce_plan import relocated_spec
 from dask_hoplite.core.reduce_spec import (
     ReduceSpec,
     as_input,
@@ -60,7 +58,7 @@ from dask_hoplite.core.tree_repair import (
     repair_load,
 )
 from dask_hoplite.errors import NodeFailed, ReduceInputError, node_error
-from dask_hoplite.scheduler.client import wait_for_holders
+from dask_hoplite.scheduler.client import replan_tree, wait_for_holders
 from dask_hoplite.worker.context import WorkerContext, all_or_cancel, cancel_quietly
 from dask_hoplite.worker.reduce_node import ReduceNodes
 from dask_hoplite.worker.reductions import RunningReductions
@@ -545,41 +543,27 @@ class ReduceRoots:
     async def _relocated(
         self, spec: ReduceSpec, avoid: set[str], swaps: dict[Key, Key]
     ) -> ReduceSpec:
-        """``spec`` with a new id and every input's current holder (this worker
-        for the root's), waiting while the scheduler recomputes lost inputs
-        unless a spare is ready to take a lost input's place (recorded in
-        ``swaps``: lost -> spare); holders in ``avoid`` (they just failed) only
-        if there is no other."""
+        """``spec`` as a new run rooted here, every input where it is now,
+        from the scheduler's reduction coordinator: it waits while the
+        scheduler recomputes lost inputs unless a spare is ready to take a
+        lost input's place (recorded in ``swaps``: lost -> spare), and uses
+        holders in ``avoid`` (they just failed) only if there is no other."""
         cfg = self.ctx.config
-        if spec.spares:
-            who_has = await self.ctx.worker.scheduler.who_has(keys=[*spec.inputs, *spec.spares])
-            spec, new = with_spares(spec, who_has, avoid)
-            for lost, spare in new.items():
-                logger.warning(
-                    "reduction %s: input %r was lost with its worker; spare %r takes its place",
-                    spec.rid,
-                    lost,
-                    spare,
-                )
-                self.ctx.event("reduce-spares", rid=spec.rid, lost=lost, spare=spare)
-                swaps[lost] = spare
-        keys = list(spec.inputs)
-        # A worker that just failed is often dead but not yet removed by the
-        # scheduler: give it a stall timeout to drop out of who_has before
-        # using it again as the only holder of an input.
-        shun_until = time.monotonic() + cfg.stall_timeout
-        while True:
-            who_has = await wait_for_holders(
-                self.ctx.worker.scheduler,
-                keys,
-                lambda _, holders: bool(holders),
-                queue_timeout=cfg.queue_timeout,
-                poll=0.1,
+        new, spared = await replan_tree(
+            self.ctx.worker.scheduler,
+            spec,
+            self.ctx.address,
+            avoid,
+            queue_timeout=cfg.queue_timeout,
+            stall_timeout=cfg.stall_timeout,
+        )
+        for lost, spare in spared.items():
+            logger.warning(
+                "reduction %s: input %r was lost with its worker; spare %r takes its place",
+                spec.rid,
+                lost,
+                spare,
             )
-            shunned = [
-                k for slot, k in enumerate(keys) if slot != spec.root and set(who_has[k]) <= avoid
-            ]
-            if not shunned or time.monotonic() > shun_until:
-                break
-            await asyncio.sleep(0.1)
-        return relocated_spec(spec, who_has, avoid, self.ctx.address, uuid.uuid4().hex)
+            self.ctx.event("reduce-spares", rid=spec.rid, lost=lost, spare=spare)
+            swaps[lost] = spare
+        return new
