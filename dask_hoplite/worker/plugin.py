@@ -121,7 +121,7 @@ class WorkerParts:
             fetch_paths=DaskFetchPaths(ctx, receiver, worker.gather_dep, worker.handlers["gather"]),
             partial_copies=PartialCopies(ctx, receiver.is_fetching),
             measuring=SizeMeasuring(ctx),
-            sender=Sender(ctx, reductions),
+            sender=Sender(ctx, hooks=reductions),
             reductions=reductions,
             nodes=nodes,
             roots=roots,

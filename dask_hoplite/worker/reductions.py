@@ -5,7 +5,9 @@ A reduction is a tree of nodes on many workers (see
 What one worker must know about the trees it takes part in, by reduction id:
 
 * the partial results announced here (a parent may ask for a node's partial
-  result before the node started: the sender waits for the announcement);
+  result before the node started: the sender waits for the announcement,
+  through the hooks it is given, :meth:`RunningReductions.coming` and
+  :meth:`~RunningReductions.streamed`);
 * the partial results a peer has read completely (an allreduce copy is held
   until its next copy took the last byte), and the ones a node's parent has
   released (a node holds its partial result until then: if its parent dies
@@ -27,7 +29,8 @@ from typing import Any, Protocol
 
 from dask.typing import Key
 
-from dask_hoplite.core.reduce_spec import is_partial_key, partial_key
+from dask_hoplite.core.reduce_spec import is_input_patch_key, is_partial_key, partial_key
+from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.worker.context import WorkerContext
 
 
@@ -72,6 +75,24 @@ class RunningReductions:
         finally:
             if self._announced.get(key) is fut and fut.done():
                 del self._announced[key]
+
+    async def coming(self, key: Key) -> ObjectBuffer | None:
+        """The sender's hook (:class:`~dask_hoplite.worker.sender.StreamHooks`):
+        a reduce node's partial result asked for before its node started is
+        served once the node announces it (None: any other key, or a node
+        that did not start within a stall timeout)."""
+        if not is_partial_key(key) or not await self.wait_announced(key):
+            return None
+        return self.ctx.store.get(key)
+
+    def streamed(self, key: Key, buf: ObjectBuffer, whole: bool) -> None:
+        """The sender's hook: a stream of ``key`` ended well. A partial result
+        read to its end may be let go (:meth:`held_until_sent`); a dead
+        node's input served for one patch is dropped."""
+        if whole:
+            self.sent(key)
+        if is_input_patch_key(key):
+            self.ctx.store.discard_if(key, buf)
 
     def sent(self, key: Key) -> None:
         """A peer has read all of the buffer of ``key``."""

@@ -3,15 +3,18 @@
 A peer asks for a key from a byte offset (:mod:`dask_hoplite.core.protocol`).
 The sender serves it from this worker's buffer of the key (complete, or still
 filling: a relay forwards bytes as they land), from the object in
-``worker.data`` serialised once (zero-copy for numpy arrays), or, for a
-reduce node's partial result, from the buffer the node announces (waiting for
-the node to start if the parent asked first).
+``worker.data`` serialised once (zero-copy for numpy arrays), or from a buffer
+that is yet to come (a reduce node's partial result, before its node started).
+
+The sender is transport: it knows nothing of reductions. What it may wait for
+and what a finished stream means to the rest of the worker, it asks of the
+:class:`StreamHooks` it is given (the worker's running reductions).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from dask.typing import Key
 from distributed.comm import get_address_host
@@ -19,23 +22,33 @@ from distributed.comm.core import Comm, CommClosedError
 from distributed.core import Status
 
 from dask_hoplite.core.protocol import BUSY_REPLY, StreamRequest, error_reply
-from dask_hoplite.core.reduce_spec import is_input_patch_key, is_partial_key
 from dask_hoplite.core.store import BufferState, ObjectBuffer
 from dask_hoplite.errors import ProtocolError
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import WorkerContext
-from dask_hoplite.worker.reductions import RunningReductions
 from dask_hoplite.worker.streams import send_stream, wait_progress
 
 logger = logging.getLogger(__name__)
 
 
+class StreamHooks(Protocol):
+    """What the sender asks of the rest of the worker."""
+
+    async def coming(self, key: Key) -> ObjectBuffer | None:
+        """The buffer of ``key``, which this worker does not hold yet, once it
+        is there (None: it will not be)."""
+
+    def streamed(self, key: Key, buf: ObjectBuffer, whole: bool) -> None:
+        """A stream of ``buf``, the buffer of ``key``, ended well; ``whole``:
+        it carried the whole of it, to its end."""
+
+
 class Sender:
     """Streams keys out of this worker to peers that ask."""
 
-    def __init__(self, ctx: WorkerContext, reductions: RunningReductions) -> None:
+    def __init__(self, ctx: WorkerContext, hooks: StreamHooks) -> None:
         self.ctx = ctx
-        self.reductions = reductions
+        self.hooks = hooks
 
     async def source(self, key: Key) -> ObjectBuffer | None:
         """The buffer to serve ``key`` from (None: this worker has no copy)."""
@@ -43,11 +56,9 @@ class Sender:
         buf = store.get(key)
         if buf is not None and buf.state is not BufferState.FAILED:
             return buf
-        if is_partial_key(key):
-            # A reduce node's partial result: its node may not have started yet.
-            if not await self.reductions.wait_announced(key):
-                return None
-            return store.get(key)
+        coming = await self.hooks.coming(key)
+        if coming is not None:
+            return coming
         held = await self.ctx.serialize_held(key)
         if held is None:
             return None
@@ -138,11 +149,7 @@ class Sender:
                     sent=sent,
                 )
             ctx.count("bytes-sent", n)
-            if req.part is None and req.offset + n == buf.nbytes:
-                self.reductions.sent(req.key)
-            if is_input_patch_key(req.key):
-                # A dead reduce node's input, served for one patch: done.
-                ctx.store.discard_if(req.key, buf)
+            self.hooks.streamed(req.key, buf, req.part is None and req.offset + n == buf.nbytes)
         except Exception as e:
             logger.info("hoplite stream of %r to %s ended: %s", req.key, comm.peer_address, e)
             ctx.count("streams-aborted")
