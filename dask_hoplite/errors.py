@@ -59,11 +59,6 @@ class NotRegistered(RuntimeError):
         )
 
 
-class WorkerPartFailed(RuntimeError):
-    """The scheduler part could not start dask-hoplite's worker part on some
-    workers; the message names each and its error."""
-
-
 class TransferFailed(RuntimeError):
     """A hoplite stream of a key could not go on: the copy it reads from
     failed or stopped, or no sender could be found. A fetch that meets it

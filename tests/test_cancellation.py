@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
+from dask_hoplite.core.protocol import CANCEL_OP
 from dask_hoplite.errors import CollectiveAborted
-from dask_hoplite.scheduler.cancellation import CANCEL_OP, CollectiveCancels
+from dask_hoplite.scheduler.cancellation import CollectiveCancels
 from dask_hoplite.worker.running_tasks import RunningTasks
 
 

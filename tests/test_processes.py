@@ -253,6 +253,25 @@ def _stall_timeout(dask_worker, seconds):
     p.config = dataclasses.replace(p.config, stall_timeout=seconds)
 
 
+def _running_reduce(c, ws, n, **submit):
+    """A sum of ``n`` float64 per worker of ``ws`` (input i made on worker i,
+    1.0, 2.0, ...), rooted on the first, once its root holds a partial
+    result: (the inputs, the result's future)."""
+    import time
+
+    futures = [
+        c.submit(np.full, n, float(i + 1), workers=[w], pure=False, **submit)
+        for i, w in enumerate(ws)
+    ]
+    wait(futures)
+    total = dh.reduce(futures, "sum", to=ws[0], parts=1)
+    t0 = time.monotonic()
+    while not c.run(_partials, workers=[ws[0]])[ws[0]]:
+        assert time.monotonic() - t0 < 60 and not total.done()
+        time.sleep(0.005)
+    return futures, total
+
+
 @pytest.mark.timeout(180)
 def test_cancelling_a_running_reduce_stops_its_tree_and_frees_its_buffers():
     """A reduce tree is running (its root has a partial result) when one of
@@ -270,16 +289,7 @@ def test_cancelling_a_running_reduce_stops_its_tree_and_frees_its_buffers():
     with process_workers(3) as (cluster, c):
         ws = worker_addresses(c)
         c.run(_stall_timeout, seconds=60)
-        n = 2**26  # 512 MiB of float64 per input
-        futures = [
-            c.submit(np.full, n, float(i + 1), workers=[w], pure=False) for i, w in enumerate(ws)
-        ]
-        wait(futures)
-        total = dh.reduce(futures, "sum", to=ws[0], parts=1)
-        t0 = time.monotonic()
-        while not c.run(_partials, workers=[ws[0]])[ws[0]]:
-            assert time.monotonic() - t0 < 60 and not total.done()
-            time.sleep(0.005)
+        futures, total = _running_reduce(c, ws, 2**26)  # 512 MiB of float64 per input
         pid = c.run(os.getpid, workers=[ws[2]])[ws[2]]
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -349,7 +359,6 @@ def test_a_hung_participant_is_repaired_once_the_scheduler_removes_it():
     every worker, which closes its pooled comms to it: the root's call to the
     node and its parent's stream break, and the node is repaired (or the tree
     restarted) well within the stall timeout, with the right result."""
-    import time
 
     with (
         dask.config.set({"distributed.scheduler.worker-ttl": "2s"}),
@@ -357,17 +366,8 @@ def test_a_hung_participant_is_repaired_once_the_scheduler_removes_it():
     ):
         ws = worker_addresses(c)
         c.run(_stall_timeout, seconds=60)
-        n = 2**25  # 256 MiB of float64 per input
-        futures = [  # the stopped worker's input is recomputed elsewhere
-            c.submit(np.full, n, float(i + 1), workers=[w], allow_other_workers=True, pure=False)
-            for i, w in enumerate(ws)
-        ]
-        wait(futures)
-        total = dh.reduce(futures, "sum", to=ws[0], parts=1)
-        t0 = time.monotonic()
-        while not c.run(_partials, workers=[ws[0]])[ws[0]]:
-            assert time.monotonic() - t0 < 60 and not total.done()
-            time.sleep(0.005)
+        # 256 MiB of float64 per input; the stopped worker's is recomputed elsewhere
+        _, total = _running_reduce(c, ws, 2**25, allow_other_workers=True)
         procs[ws[2]].send_signal(signal.SIGSTOP)
         result = total.result(timeout=45)  # the stall timeout alone would take 60 s
         assert result[0] == 6.0 and result[-1] == 6.0

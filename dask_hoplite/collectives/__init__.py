@@ -60,7 +60,7 @@ from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.allreduce_outputs import output_keys
 from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_plan import PlanRequest
-from dask_hoplite.scheduler.client import SCHEDULER_PART_KEY
+from dask_hoplite.scheduler_calls import SCHEDULER_PART_KEY
 from dask_hoplite.worker import tasks
 
 logger = logging.getLogger(__name__)

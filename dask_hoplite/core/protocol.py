@@ -44,9 +44,14 @@ from dask_hoplite.errors import ProtocolError
 
 #: Bumped on any incompatible change of the messages above or of the
 #: worker <-> scheduler directory messages. Peers with another value refuse.
-PROTOCOL_VERSION = 3  # 2: streams with an end (patches); 3: byte ranges
+PROTOCOL_VERSION = 4  # 2: streams with an end (patches); 3: byte ranges; 4: reductions
+# planned on the scheduler (hoplite_plan_reduction, hoplite_replan_tree)
 
 STREAM_OP = "hoplite_stream"
+#: The scheduler's stream message that stops a collective's task on a worker
+#: (:mod:`dask_hoplite.scheduler.cancellation` sends it,
+#: :mod:`dask_hoplite.worker.running_tasks` carries it out).
+CANCEL_OP = "hoplite-cancel"
 
 
 @dataclass(frozen=True)

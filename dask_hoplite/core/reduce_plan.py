@@ -284,7 +284,8 @@ def plan_reduction(
     lists a holder for each; an input on ``req.to`` is taken from there), as
     ``req`` asks. Called by the scheduler's reduction coordinator only
     (:mod:`dask_hoplite.scheduler.reduction_coordinator`)."""
-    plan = _plan(req, chosen, who_has, nbytes, net)
+    addresses, base = _placed(req, chosen, who_has)
+    plan = _plan(req, chosen, nbytes, net, addresses, base)
     logger.debug(
         "reduction %s planned: %s of %d inputs, root %s", req.rid, plan.TAG, len(chosen), plan.root
     )
@@ -332,11 +333,13 @@ def _one_task(
 def _plan(
     req: PlanRequest,
     chosen: Sequence[Key],
-    who_has: Mapping[Key, Sequence[str]],
     nbytes: Mapping[Key, int],
     net: NetworkEstimate,
+    addresses: list[str],
+    base: dict[str, Any],
 ) -> Plan:
-    addresses, base = _placed(req, chosen, who_has)
+    """:func:`plan_reduction`, the chosen inputs placed (``addresses``) and the
+    fields every plan has (``base``) known."""
     spares = base["spares"]
     size = max(int(nbytes.get(key, 0) or 0) for key in chosen)
     distinct = list(dict.fromkeys(addresses))

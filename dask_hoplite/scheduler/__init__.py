@@ -8,7 +8,6 @@ only wires the rest into the scheduler and takes it out again:
 - :mod:`.measured_sizes`: keys a worker measured larger than Dask's ``sizeof``,
   and telling the workers whose tasks need them;
 - :mod:`.queries`: read-only RPCs reductions and collectives plan with;
-- :mod:`.client`: their other side, what workers and clients ask the scheduler part;
 - :mod:`.reduction_coordinator`: every reduction run's plan, made here (a
   reduce, an allreduce, a graph aggregate, a fallback, a broken tree's restart);
 - :mod:`.first_ready`: the first ``k`` of a reduction's inputs to be ready;

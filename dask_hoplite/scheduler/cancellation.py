@@ -22,13 +22,13 @@ from typing import Any
 
 from dask.typing import Key
 
+from dask_hoplite.core.protocol import CANCEL_OP
+
 logger = logging.getLogger(__name__)
 
 #: Key prefixes of the collectives' tasks that run as coroutines and stop
 #: when cancelled.
 PREFIXES = ("hoplite-reduce-", "hoplite-allreduce-", "hoplite-plan-")
-#: The stream op that stops a task on a worker.
-CANCEL_OP = "hoplite-cancel"
 
 
 class CollectiveCancels:

@@ -7,7 +7,7 @@ an outsider: the directory never hands it out as a sender, and whatever it
 needs travels Dask's way. A feature runs cluster-wide (:meth:`Peers.everywhere`)
 only where the scheduler and every worker run it; the collectives ask that
 before they plan a tree (through the scheduler's metadata, see
-:mod:`dask_hoplite.scheduler.client`).
+:mod:`dask_hoplite.scheduler_calls`).
 """
 
 from __future__ import annotations

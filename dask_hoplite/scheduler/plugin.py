@@ -47,7 +47,6 @@ from dask_hoplite.features import (
 from dask_hoplite.patching import Override
 from dask_hoplite.scheduler.amm import NeededReplicas, StreamDropGuard
 from dask_hoplite.scheduler.cancellation import CollectiveCancels
-from dask_hoplite.scheduler.client import METADATA_KEY, SCHEDULER_PART_KEY
 from dask_hoplite.scheduler.collective_log import CollectiveLog
 from dask_hoplite.scheduler.directory_service import DirectoryService
 from dask_hoplite.scheduler.first_ready import FirstReady
@@ -60,6 +59,7 @@ from dask_hoplite.scheduler.queries import SchedulerQueries
 from dask_hoplite.scheduler.reduction_coordinator import ReductionCoordinator
 from dask_hoplite.scheduler.replicate import ReplicateOverride
 from dask_hoplite.scheduler.spares_used import SparesUsed
+from dask_hoplite.scheduler_calls import METADATA_KEY, SCHEDULER_PART_KEY
 from dask_hoplite.worker.context import PLUGIN_NAME
 from dask_hoplite.worker.plugin import HopliteWorker
 
@@ -246,7 +246,6 @@ class Hoplite(SchedulerPlugin):
             MEASURED_OP: self.sizes.measured,
             "hoplite-collective": self.collectives.finished,
             "hoplite_network": queries.network_estimate,
-            "hoplite_locate": queries.locate,
             "hoplite_key_states": queries.key_states,
             "hoplite_task_worker": queries.task_worker,
             "hoplite_first_ready": first_ready.first_ready,

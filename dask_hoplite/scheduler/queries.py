@@ -4,7 +4,7 @@ Reductions and collectives plan with where keys are, how big they are and how
 fast the network is, and follow tasks that Dask recomputes or moves. Dask's own
 RPCs answer part of that in several round trips; these answer it in one, from
 the scheduler's task states and the network model, and change nothing. The
-client side of them is :mod:`dask_hoplite.scheduler.client`.
+client side of them is :mod:`dask_hoplite.scheduler_calls`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 
 class SchedulerQueries:
-    """The RPCs ``hoplite_key_states``, ``hoplite_task_worker``,
-    ``hoplite_network`` and ``hoplite_locate``.
+    """The RPCs ``hoplite_key_states``, ``hoplite_task_worker`` and
+    ``hoplite_network``.
 
     ``task`` looks a key up in the scheduler's task states (``scheduler.tasks.get``).
     """
@@ -55,15 +55,3 @@ class SchedulerQueries:
         """RPC ``hoplite_network``: the bandwidth and latency reduce trees are
         planned with (see :mod:`dask_hoplite.core.network_model`)."""
         return self.network.estimate().to_msg()
-
-    def locate(self, keys: list[Key]) -> dict[str, Any]:
-        """RPC ``hoplite_locate``: where each key is in memory, its size, and the
-        network estimate: all a client plans a reduction with, in one round
-        trip (what ``who_has``, ``nbytes`` and ``hoplite_network`` answer)."""
-        who_has: dict[Key, list[str]] = {}
-        nbytes: dict[Key, int] = {}
-        for key in keys:
-            ts = self._task(key)
-            who_has[key] = [] if ts is None else [ws.address for ws in ts.who_has or ()]
-            nbytes[key] = 0 if ts is None else max(ts.nbytes, 0)
-        return {"who_has": who_has, "nbytes": nbytes, "network": self.network_estimate()}

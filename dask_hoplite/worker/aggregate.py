@@ -34,7 +34,7 @@ from dask_hoplite.core.reduce_plan import PlanRequest, Tree, is_small, plan_from
 from dask_hoplite.core.reduce_spec import check_input, select_field
 from dask_hoplite.errors import ReduceInputError
 from dask_hoplite.patching import AttributePatch
-from dask_hoplite.scheduler.client import request_plan
+from dask_hoplite.scheduler_calls import request_plan
 from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, run_on_loop
 from dask_hoplite.worker.reduce_root import ReduceRoots
 

@@ -37,7 +37,7 @@ from dask_hoplite.core.reduce_plan import PlanRequest, Tree, plan_from_msg
 from dask_hoplite.core.reduce_spec import ReduceSpec, as_input, flat_shape, join_segments
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.errors import CollectiveAborted, ReduceInputError, as_exception
-from dask_hoplite.scheduler.client import request_plan
+from dask_hoplite.scheduler_calls import request_plan
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, cancel_quietly
 from dask_hoplite.worker.reduce_root import ReduceRoots

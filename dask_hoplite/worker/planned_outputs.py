@@ -32,7 +32,7 @@ from dask_hoplite.core.reduce_plan import (
 )
 from dask_hoplite.core.reduce_spec import as_input, reduce_values
 from dask_hoplite.errors import NotRegistered
-from dask_hoplite.scheduler.client import METADATA_KEY, request_plan
+from dask_hoplite.scheduler_calls import METADATA_KEY, request_plan
 from dask_hoplite.worker.context import secede_coroutine
 from dask_hoplite.worker.planned_reduce import (
     fetch_values,

@@ -40,7 +40,7 @@ from dask_hoplite.core.reduce_plan import (
 )
 from dask_hoplite.core.reduce_spec import reduce_values
 from dask_hoplite.errors import NotRegistered
-from dask_hoplite.scheduler.client import METADATA_KEY, raise_lost, request_plan
+from dask_hoplite.scheduler_calls import METADATA_KEY, raise_lost, request_plan
 from dask_hoplite.worker.context import PLUGIN_NAME
 from dask_hoplite.worker.receiver import get_data_or_reschedule
 

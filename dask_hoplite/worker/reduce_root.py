@@ -58,7 +58,7 @@ from dask_hoplite.core.tree_repair import (
     repair_load,
 )
 from dask_hoplite.errors import NodeFailed, ReduceInputError, node_error
-from dask_hoplite.scheduler.client import replan_tree, wait_for_holders
+from dask_hoplite.scheduler_calls import replan_tree, wait_for_holders
 from dask_hoplite.worker.context import WorkerContext, all_or_cancel, cancel_quietly
 from dask_hoplite.worker.reduce_node import ReduceNodes
 from dask_hoplite.worker.reductions import RunningReductions

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 from dask.typing import Key
 
+from dask_hoplite.core.protocol import CANCEL_OP
 from dask_hoplite.errors import CollectiveAborted
-from dask_hoplite.scheduler.cancellation import CANCEL_OP
 
 logger = logging.getLogger(__name__)
 

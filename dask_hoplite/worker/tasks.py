@@ -18,7 +18,7 @@ from distributed.worker import Worker
 
 from dask_hoplite.core import object_parts
 from dask_hoplite.core.reduce_plan import PlanRequest
-from dask_hoplite.scheduler.client import METADATA_KEY
+from dask_hoplite.scheduler_calls import METADATA_KEY
 from dask_hoplite.worker import planned_outputs, planned_reduce
 from dask_hoplite.worker.context import secede_coroutine
 

@@ -1,5 +1,10 @@
 """What workers and clients ask the scheduler part, beyond Dask's own RPCs.
 
+Outside :mod:`dask_hoplite.scheduler`: workers and clients call it, and the
+scheduler part only takes the names of its metadata entries from here. The
+scheduler's side of each call is in that package (the reduction coordinator,
+the queries, the first-ready wait).
+
 Thin coroutines over an RPC handle to the scheduler (``worker.scheduler`` or
 ``client.scheduler``), each returning plain data: a reduction's plan from the
 scheduler's reduction coordinator, the network estimate, where keys are and
@@ -20,8 +25,6 @@ from distributed import KilledWorker
 from distributed.protocol import pickle
 from distributed.protocol.serialize import Serialized, deserialize
 
-from dask_hoplite.config import HopliteConfig
-from dask_hoplite.core.network_model import NetworkEstimate, NetworkModel
 from dask_hoplite.core.reduce_plan import PlanRequest
 from dask_hoplite.core.reduce_spec import ReduceSpec
 from dask_hoplite.errors import ReduceInputLost
@@ -38,34 +41,6 @@ METADATA_KEY = "dask-hoplite"
 #: spares a reduction used) can be asked then, even while a restarted worker
 #: has not yet reported its part and :data:`METADATA_KEY` says None.
 SCHEDULER_PART_KEY = "dask-hoplite-scheduler"
-#: How long a client trusts its last look at whether the plugin is registered.
-REGISTERED_TTL = 5.0
-
-_registered: dict[str, tuple[float, bool]] = {}
-
-
-async def hoplite_registered(client: Any) -> bool:
-    """Whether dask-hoplite runs on ``client``'s scheduler, asked through
-    Dask's own metadata RPC (no error logged on a cluster without it) at most
-    once per :data:`REGISTERED_TTL` seconds."""
-    now = time.monotonic()
-    seen = _registered.get(client.id)
-    if seen is not None and now - seen[0] < REGISTERED_TTL:
-        return seen[1]
-    version = await client.scheduler.get_metadata(keys=[METADATA_KEY], default=None)
-    _registered[client.id] = (now, version is not None)
-    return version is not None
-
-
-async def network_estimate(scheduler: Any) -> NetworkEstimate:
-    """The scheduler part's estimate (``scheduler``: an RPC handle to it); the
-    configured values or the fallbacks if it cannot be asked."""
-    try:
-        return NetworkEstimate.from_msg(await scheduler.hoplite_network())
-    except Exception as e:  # the plugin is missing or the scheduler is unreachable
-        logger.debug("network estimate unavailable (%s); using configured values", e)
-        cfg = HopliteConfig.from_dask_config()
-        return NetworkModel(cfg.reduce_bandwidth, cfg.reduce_latency).estimate()
 
 
 def raise_if_gone_for_good(states: dict[Key, str | None]) -> None:
