@@ -145,3 +145,44 @@ def test_colocated_order_keeps_a_hosts_workers_together(n, k, data):
     if all(len(plan.children(i)) <= 1 for i in range(n)):
         assert cross_edges(plan.parent, hosts, order) == len(set(hosts)) - 1
         assert cross_edges(plan.parent, addresses, order) == len(set(addresses)) - 1
+
+
+def _fill_by_scanning(children, root, root_input, addresses):
+    """The placement rule of ``planner._fill`` written plainly (a scan of
+    every worker for each node: too slow for 1,024 inputs on the scheduler),
+    as its specification."""
+    left = {}
+    for i, a in enumerate(addresses):
+        if i != root_input:
+            left.setdefault(a, []).append(i)
+    order = [-1] * len(addresses)
+    order[root] = root_input
+    queue = [root]
+    for node in queue:
+        for c in children[node]:
+            addr = addresses[order[node]]
+            if addr not in left:
+                addr = max(
+                    left, key=lambda a: (host_of(a) == host_of(addr), len(left[a]), -left[a][0])
+                )
+            order[c] = left[addr].pop(0)
+            if not left[addr]:
+                del left[addr]
+            queue.append(c)
+    return order
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 60), k=st.integers(1, 12), data=st.data())
+def test_the_fill_places_inputs_as_its_plain_specification_does(n, k, data):
+    from dask_hoplite.core.planner import _fill
+
+    plan = plan_reduce_tree(n, k)
+    pool = [f"tcp://10.0.0.{h}:{4000 + w}" for h in range(5) for w in range(3)]
+    addresses = data.draw(st.lists(st.sampled_from(pool), min_size=n, max_size=n))
+    root_input = data.draw(st.integers(0, n - 1))
+    children = [plan.children(i) for i in range(n)]
+    root = plan.root
+    assert _fill(children, root, root_input, addresses) == _fill_by_scanning(
+        [list(c) for c in children], root, root_input, addresses
+    )

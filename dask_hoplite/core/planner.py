@@ -22,6 +22,7 @@ walk, so the inputs that were ready first take the slots farthest from the root.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -213,6 +214,31 @@ def _fill(
     for i, a in enumerate(addresses):
         if i != root_input:
             left.setdefault(a, []).append(i)
+    hosts = {a: host_of(a) for a in set(addresses)}
+    # The worker to take an input from when the parent's worker has none
+    # left: another worker of the parent's host, else any; of those, the one
+    # with the most inputs left, then the one whose next input comes first.
+    # Heaps of (-inputs left, next input, worker), one per host and one for
+    # all; an entry whose worker has changed since is skipped when met.
+    everyone: list[tuple[int, int, str]] = []
+    by_host: dict[str, list[tuple[int, int, str]]] = {}
+
+    def push(a: str) -> None:
+        entry = (-len(left[a]), left[a][0], a)
+        heapq.heappush(everyone, entry)
+        heapq.heappush(by_host.setdefault(hosts[a], []), entry)
+
+    def best(heap: list[tuple[int, int, str]]) -> str | None:
+        while heap:
+            n, first, a = heap[0]
+            inputs = left.get(a)
+            if inputs and len(inputs) == -n and inputs[0] == first:
+                return a
+            heapq.heappop(heap)
+        return None
+
+    for a in left:
+        push(a)
     order = [-1] * len(addresses)
     order[root] = root_input
     queue = [root]
@@ -220,14 +246,14 @@ def _fill(
         for c in children[node]:
             addr = addresses[order[node]]
             if addr not in left:
-                # Another worker of the parent's host, else the worker with
-                # the most inputs left.
-                addr = max(
-                    left,
-                    key=lambda a: (host_of(a) == host_of(addr), len(left[a]), -left[a][0]),
-                )
-            order[c] = left[addr].pop(0)
-            if not left[addr]:
+                found = best(by_host.get(hosts[addr], [])) or best(everyone)
+                assert found is not None, "more nodes than inputs"
+                addr = found
+            inputs = left[addr]
+            order[c] = inputs.pop(0)
+            if inputs:
+                push(addr)
+            else:
                 del left[addr]
             queue.append(c)
     return order
