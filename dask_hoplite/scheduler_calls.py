@@ -1,21 +1,22 @@
 """What workers and clients ask the scheduler part, beyond Dask's own RPCs.
 
 Outside :mod:`dask_hoplite.scheduler`: workers and clients call it, and the
-scheduler part only takes the names of its metadata entries from here. The
-scheduler's side of each call is in that package (the reduction coordinator,
-the queries, the first-ready wait).
+scheduler part takes only the names of its metadata entries from here, and
+the wait for holders (its reduction coordinator runs it over the scheduler's
+own task states). The scheduler's side of each call is in that package (the
+reduction coordinator, the queries, the first-ready wait).
 
 Thin coroutines over an RPC handle to the scheduler (``worker.scheduler`` or
-``client.scheduler``), each returning plain data: a reduction's plan from the
-scheduler's reduction coordinator, the network estimate, where keys are and
-how big, and a wait for the holders of keys that Dask is recomputing from
-their lineage.
+``client.scheduler``), each returning plain data or raising an error named
+after the input: a reduction's plan and a broken tree's new run from the
+scheduler's reduction coordinator, the error of an input that cannot come
+back, and a wait for the holders of keys that Dask is recomputing from their
+lineage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,8 +29,6 @@ from distributed.protocol.serialize import Serialized, deserialize
 from dask_hoplite.core.reduce_plan import PlanRequest
 from dask_hoplite.core.reduce_spec import ReduceSpec
 from dask_hoplite.errors import ReduceInputLost
-
-logger = logging.getLogger(__name__)
 
 #: The scheduler's metadata entry that holds the running scheduler part's
 #: version while the collectives run on every worker (None or absent:
@@ -134,7 +133,7 @@ async def replan_tree(
         stall_timeout=stall_timeout,
     )
     if "failed" in answer:
-        raise ReduceInputLost(answer["why"])
+        raise ReduceInputLost(answer["failed"])
     return ReduceSpec.from_msg(answer["spec"]), {lost: spare for lost, spare in answer["swaps"]}
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -290,6 +290,14 @@ def plan_reduction(
         "reduction %s planned: %s of %d inputs, root %s", req.rid, plan.TAG, len(chosen), plan.root
     )
     return plan
+
+
+def unknown_to(to: str, workers: Collection[str]) -> str | None:
+    """Why ``to``, the worker a result is asked on, is refused (None: it is
+    one of ``workers``, the cluster's)."""
+    if to in workers:
+        return None
+    return f"to={to!r} is not a worker of this cluster; workers: {sorted(workers)}"
 
 
 def plan_without_hoplite(

@@ -26,24 +26,23 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
 
 from dask_hoplite.core.allreduce_outputs import output_keys, output_roles, output_workers
 from dask_hoplite.core.network_model import NetworkModel
-from dask_hoplite.core.reduce_plan import PlanRequest, plan_reduction, relocated_spec
+from dask_hoplite.core.reduce_plan import PlanRequest, plan_reduction, relocated_spec, unknown_to
 from dask_hoplite.core.reduce_spec import ReduceSpec, with_spares
+from dask_hoplite.errors import ReduceInputLost
 from dask_hoplite.scheduler.first_ready import FirstReady
+from dask_hoplite.scheduler_calls import wait_for_holders
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskState
 
 logger = logging.getLogger(__name__)
-
-#: Scheduler states from which a lost input cannot come back.
-GONE = (None, "erred", "forgotten")
 
 
 class ReductionCoordinator:
@@ -67,6 +66,7 @@ class ReductionCoordinator:
         self._task = task
         self._workers = workers
         self._restrict = restrict
+        self._answers = _OwnAnswers(task)
         #: Numbers the runs; kept when the plugin is registered again.
         self.counter = itertools.count(1) if counter is None else counter
 
@@ -95,11 +95,9 @@ class ReductionCoordinator:
         names no worker of the cluster; ``{"failed": key, "state", "exception"}``
         when so many inputs cannot come back that ``k`` never will."""
         req = PlanRequest.from_msg(request)
-        if req.to is not None and req.to not in self._workers():
-            return {
-                "error": f"to={req.to!r} is not a worker of this cluster; "
-                f"workers: {sorted(self._workers())}"
-            }
+        error = None if req.to is None else unknown_to(req.to, self._workers())
+        if error is not None:
+            return {"error": error}
         if who_has is None:
             ready = await self.first_ready.first_ready(list(req.inputs), req.k)
             if "failed" in ready:
@@ -143,21 +141,28 @@ class ReductionCoordinator:
         for while the scheduler recomputes it. A worker in ``avoid`` just
         failed: it is often dead but not yet removed, so for ``stall_timeout``
         an input it alone holds is waited for too, then it is used if it is
-        still the only holder. Answers ``{"spec", "swaps"}``, or
-        ``{"failed": key, "state": ..., "why": text}`` for an input that
-        cannot come back or whose state stays the same for ``queue_timeout``."""
+        still the only holder. Answers ``{"spec", "swaps"}``, or ``{"failed":
+        why}`` for an input that cannot come back or whose state stays the
+        same for ``queue_timeout`` (waited for as a worker would,
+        :func:`~dask_hoplite.scheduler_calls.wait_for_holders`)."""
         old = ReduceSpec.from_msg(spec)
         shun = set(avoid)
         swaps: dict[Key, Key] = {}
         if old.spares:
-            old, swaps = with_spares(old, self._who_has([*old.inputs, *old.spares]), shun)
+            old, swaps = with_spares(old, self._answers.holders([*old.inputs, *old.spares]), shun)
         keys = list(old.inputs)
         shun_until = time.monotonic() + stall_timeout
         while True:
-            waited = await self._holders(keys, queue_timeout, poll)
-            if "failed" in waited:
-                return waited
-            who_has = waited["who_has"]
+            try:
+                who_has = await wait_for_holders(
+                    self._answers,
+                    keys,
+                    lambda _, holders: bool(holders),
+                    queue_timeout=queue_timeout,
+                    poll=poll,
+                )
+            except ReduceInputLost as e:
+                return {"failed": str(e)}
             shunned = [
                 k for slot, k in enumerate(keys) if slot != old.root and set(who_has[k]) <= shun
             ]
@@ -167,51 +172,29 @@ class ReductionCoordinator:
         new = relocated_spec(old, who_has, shun, root, self.run_id(old.reduction_rid))
         return {"spec": new.to_msg(), "swaps": [[lost, spare] for lost, spare in swaps.items()]}
 
-    # ------------------------------------------------------------- helpers
 
-    def _who_has(self, keys: Sequence[Key]) -> dict[Key, list[str]]:
+class _OwnAnswers:
+    """What :func:`~dask_hoplite.scheduler_calls.wait_for_holders` asks the
+    scheduler (``who_has``, ``hoplite_key_states``), answered from its own
+    task states: the coordinator waits with the same loop as a worker would."""
+
+    def __init__(self, task: Callable[[Key], TaskState | None]) -> None:
+        self._task = task
+
+    def holders(self, keys: Sequence[Key]) -> dict[Key, list[str]]:
+        """The workers holding each of ``keys``, sorted (none: not in memory)."""
         out: dict[Key, list[str]] = {}
         for key in keys:
             ts = self._task(key)
             out[key] = sorted(ws.address for ws in (ts.who_has or ())) if ts is not None else []
         return out
 
-    async def _holders(self, keys: list[Key], queue_timeout: float, poll: float) -> dict[str, Any]:
-        """``{"who_has"}`` as soon as every key has a holder, waiting while
-        the scheduler recomputes the ones that have none, as long as their
-        states keep changing within ``queue_timeout``; ``{"failed", "state",
-        "why"}`` for a key that cannot come back or stays put."""
-        deadline = time.monotonic() + queue_timeout
-        last: dict[Key, str | None] = {}
-        while True:
-            who_has = self._who_has(keys)
-            pending = [k for k in keys if not who_has[k]]
-            if not pending:
-                return {"who_has": who_has}
-            states = {k: _state(self._task(k)) for k in pending}
-            for key, state in states.items():
-                if state in GONE:
-                    why = (
-                        f"input {key!r} of the reduction was lost and cannot be recomputed "
-                        f"(scheduler state: {state or 'unknown'})"
-                    )
-                    return {"failed": key, "state": state, "why": why}
-            if states != last:
-                last, deadline = states, time.monotonic() + queue_timeout
-            elif time.monotonic() > deadline:
-                key = pending[0]
-                why = (
-                    f"input {key!r} of the reduction has no holder (scheduler state "
-                    f"{states[key]!r}) and nothing changed for {queue_timeout:g}s"
-                )
-                return {"failed": key, "state": states[key], "why": why}
-            await asyncio.sleep(poll)
+    async def who_has(self, keys: list[Key]) -> dict[Key, list[str]]:
+        return self.holders(keys)
+
+    async def hoplite_key_states(self, keys: list[Key]) -> dict[Key, str | None]:
+        return {k: _state(self._task(k)) for k in keys}
 
 
 def _state(ts: TaskState | None) -> str | None:
     return None if ts is None else ts.state
-
-
-def who_has_msg(who_has: Mapping[Key, Sequence[str]]) -> dict[Key, list[str]]:
-    """``who_has`` as an RPC argument (lists, not tuples or sets)."""
-    return {key: list(holders) for key, holders in who_has.items()}

@@ -7,10 +7,10 @@ every input to be ready and restricts output ``i`` to the worker that holds
 input ``i`` (loosely: if that worker dies, Dask runs it elsewhere); for an
 allreduce, the scheduler's reduction coordinator
 (:mod:`dask_hoplite.scheduler.reduction_coordinator`) does both, plans, and
-gives each output its role (:mod:`dask_hoplite.core.allreduce_outputs`). Each output task then runs its
-role (:func:`run_allreduce_output`); an allgather's outputs are ordinary
-tasks that depend on the inputs, which Dask fetches (through hoplite's
-streams where it runs).
+gives each output its role (:mod:`dask_hoplite.core.allreduce_outputs`).
+Each output task then runs its role (:func:`run_allreduce_output`); an
+allgather's outputs are ordinary tasks that depend on the inputs, which Dask
+fetches (through hoplite's streams where it runs).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from dask_hoplite.worker.context import secede_coroutine
 from dask_hoplite.worker.planned_reduce import (
     fetch_values,
     first_ready,
+    first_ready_without_hoplite,
     run_plan,
     running_part,
 )
@@ -54,7 +55,7 @@ async def plan_allreduce(w: Worker, req: PlanRequest) -> dict[str, Any]:
         plan = plan_from_msg(answer["plan"])
         roles, workers = answer["roles"], answer["workers"]
     else:
-        ready = await first_ready(w, req)
+        ready = await first_ready_without_hoplite(w, req)
         plan = plan_without_hoplite(req, ready.chosen, ready.who_has)
         workers = await _place_outputs(w, req, ready.who_has)
         roles = output_roles(plan, workers)

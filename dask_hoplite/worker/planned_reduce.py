@@ -37,6 +37,7 @@ from dask_hoplite.core.reduce_plan import (
     Tree,
     plan_from_msg,
     plan_without_hoplite,
+    unknown_to,
 )
 from dask_hoplite.core.reduce_spec import reduce_values
 from dask_hoplite.errors import NotRegistered
@@ -74,12 +75,10 @@ async def _plan_without_hoplite(w: Worker, req: PlanRequest) -> OneTask:
     """Dask alone: one task on the result's worker reduces the first ``k``
     inputs to be ready."""
     if req.to is not None:
-        workers = (await w.scheduler.identity())["workers"]
-        if req.to not in workers:
-            raise ValueError(
-                f"to={req.to!r} is not a worker of this cluster; workers: {sorted(workers)}"
-            )
-    ready = await first_ready(w, req)
+        error = unknown_to(req.to, (await w.scheduler.identity())["workers"])
+        if error is not None:
+            raise ValueError(error)
+    ready = await first_ready_without_hoplite(w, req)
     plan = plan_without_hoplite(req, ready.chosen, ready.who_has)
     if req.result is not None:
         await w.scheduler.set_restrictions(worker={req.result: [plan.root]})
@@ -100,18 +99,18 @@ async def first_ready(w: Worker, req: PlanRequest) -> Ready:
     keys: list[Key] = list(req.inputs)
     registered = await w.scheduler.get_metadata(keys=[METADATA_KEY], default=None)
     if registered is None:
-        return Ready(*await _first_ready_without_plugin(w, keys, req.k))
+        return await first_ready_without_hoplite(w, req)
     m = await w.scheduler.hoplite_first_ready(keys=keys, k=req.k)
     if "failed" in m:
         await raise_lost(m["failed"], m["state"], m.get("exception"))
     return Ready(m["chosen"], m["who_has"])
 
 
-async def _first_ready_without_plugin(
-    w: Worker, keys: list[Key], k: int, poll: float = 0.05
-) -> tuple[list[Key], dict[Key, list[str]]]:
-    """Dask alone: the first ``k`` of ``keys`` in memory, with holders, by
-    asking the scheduler's task states every ``poll`` seconds."""
+async def first_ready_without_hoplite(w: Worker, req: PlanRequest, poll: float = 0.05) -> Ready:
+    """Dask alone: the first ``req.k`` of ``req.inputs`` in memory, with
+    holders, by asking the scheduler's task states every ``poll`` seconds."""
+    keys: list[Key] = list(req.inputs)
+    k = req.k
     seen: dict[Key, None] = {}  # ready keys, in the order first seen ready
     while True:
         states = await w.scheduler.get_task_status(keys=keys)
@@ -125,7 +124,7 @@ async def _first_ready_without_plugin(
         if len(ready) == k:
             who_has = await w.scheduler.who_has(keys=ready)
             if all(who_has.get(key) for key in ready):
-                return ready, who_has
+                return Ready(ready, who_has)
         elif failed and len(keys) - len(failed) < k:
             key = failed[0]
             await raise_lost(key, states.get(key), None)
