@@ -2,13 +2,13 @@
 
 Every reduction is planned on the scheduler (its reduction coordinator,
 ``hoplite_plan_reduction``), inside the scheduler's event loop: while it
-plans, the scheduler does nothing else. This script starts a cluster: a scheduler in this
-process with ``--workers`` worker processes (the scheduler's process holds
-the scheduler and this client, as a real one holds the scheduler; a garbage
-collection in it pauses whatever runs, the smaller its heap the shorter),
-the plugin registered, scatters
-``--inputs`` small arrays over them, and calls the coordinator's handler on
-the scheduler ``--reps`` times for a sum of them all, timing each call there.
+plans, the scheduler does nothing else. This script starts a cluster, a
+scheduler in this process with ``--workers`` worker processes (the
+scheduler's process holds the scheduler and this client, as a real one holds
+the scheduler; a garbage collection in it pauses whatever runs, the smaller
+its heap the shorter), registers the plugin, scatters ``--inputs`` small
+arrays over the workers, and calls the coordinator's handler on the
+scheduler ``--reps`` times for a sum of them all, timing each call there.
 With every input ready the call never waits: its time is the time the loop
 is held (waiting for the inputs, the scheduler's task states, the planner,
 the plan's message, pinning the result task). ``--min-bytes 0`` makes the
@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.broadcast import quantile  # noqa: E402
 
 
 async def _time_plans(dask_scheduler: Any, request: dict[str, Any], reps: int) -> list[Any]:
@@ -86,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{1e3 * s:.1f}{'*' if c else ''}" for s, c in zip(seconds, collected, strict=True)
         ),
     )
-    plain = sorted(1e3 * s for s, c in zip(seconds, collected, strict=True) if not c)
-    ms = sorted(1e3 * s for s in seconds)
+    plain = [1e3 * s for s, c in zip(seconds, collected, strict=True) if not c]
+    ms = [1e3 * s for s in seconds]
     print(
         f"{args.inputs} inputs on {args.workers} workers, plan {kind}: "
-        f"first {1e3 * seconds[0]:.1f} ms, p50 {ms[len(ms) // 2]:.1f} ms, "
-        f"p90 {ms[int(0.9 * (len(ms) - 1))]:.1f} ms, max {ms[-1]:.1f} ms; "
-        f"max without a full collection {plain[-1] if plain else float('nan'):.1f} ms "
+        f"first {ms[0]:.1f} ms, p50 {quantile(ms, 0.5):.1f} ms, "
+        f"p90 {quantile(ms, 0.9):.1f} ms, max {max(ms):.1f} ms; "
+        f"max without a full collection {max(plain, default=float('nan')):.1f} ms "
         f"(the scheduler's event loop held that long per plan)"
     )
     return 0
