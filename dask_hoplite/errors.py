@@ -71,6 +71,14 @@ class CollectiveAborted(RuntimeError):
     this error, so that their readers stop too."""
 
 
+class StaleRun(CollectiveAborted):
+    """A message or a restart of a reduction run that a later run of the same
+    tree superseded. The scheduler numbers the runs of a request in order; a
+    worker that has seen run ``n`` refuses the earlier ones, and the
+    scheduler plans no restart of them. Final: the superseded run's root
+    fails with it instead of restarting (the later run is the live one)."""
+
+
 class BufferStateError(RuntimeError):
     """An operation on an object buffer that its state does not allow (a write
     to a buffer that is not receiving, a read of one that is not complete).
@@ -117,6 +125,8 @@ def node_reply(error: BaseException | str) -> dict[str, Any]:
     node refused to run). An input that does not fit stays recognisable."""
     if isinstance(error, str):
         return {"status": "error", "message": error}
+    if isinstance(error, StaleRun):
+        return {"status": "error", "stale": True, "message": str(error)}
     if isinstance(error, ReduceInputError):
         return {"status": "error", "input_error": True, "message": str(error)}
     return {"status": "error", "message": f"{type(error).__name__}: {error}"}
@@ -129,4 +139,6 @@ def node_error(reply: dict[str, Any], address: str) -> Exception | None:
         return None
     if reply.get("input_error"):
         return ReduceInputError(reply.get("message"))
+    if reply.get("stale"):
+        return StaleRun(str(reply.get("message")))
     return NodeFailed(str(reply.get("message")), address)

@@ -28,7 +28,7 @@ from distributed.protocol.serialize import Serialized, deserialize
 
 from dask_hoplite.core.reduce_plan import PlanRequest
 from dask_hoplite.core.reduce_spec import ReduceSpec
-from dask_hoplite.errors import ReduceInputLost
+from dask_hoplite.errors import ReduceInputLost, StaleRun
 
 #: The scheduler's metadata entry that holds the running scheduler part's
 #: version while the collectives run on every worker (None or absent:
@@ -124,7 +124,8 @@ async def replan_tree(
     """Tree ``spec`` as a new run rooted on ``root``, with every input where
     it is now, and the lost inputs spares replaced (lost -> spare), from the
     scheduler's reduction coordinator (``hoplite_replan_tree``). Raises
-    :class:`ReduceInputLost` for an input that cannot come back."""
+    :class:`ReduceInputLost` for an input that cannot come back,
+    :class:`StaleRun` for a run that a later one superseded."""
     answer = await scheduler.hoplite_replan_tree(
         spec=spec.to_msg(),
         root=root,
@@ -134,6 +135,8 @@ async def replan_tree(
     )
     if "failed" in answer:
         raise ReduceInputLost(answer["failed"])
+    if "stale" in answer:
+        raise StaleRun(answer["stale"])
     return ReduceSpec.from_msg(answer["spec"]), {lost: spare for lost, spare in answer["swaps"]}
 
 

@@ -478,38 +478,95 @@ def test_reduce_to_an_unknown_worker_says_so(client):
     np.testing.assert_array_equal(dh.reduce(futures).result(), np.full(10, 2.0))
 
 
-def test_a_reduction_planned_twice_runs_twice_without_mixing(client):
-    """Dask recomputes a reduction's plan when the worker holding it dies, and
-    the result task may then run on a new root while its first run goes on.
-    Each computation of the plan is its own run: two plans of one request,
-    rooted on two workers and run at once, do not share partial results."""
+def _two_plans(client, rid):
+    """Two plans of one reduction request of 3 inputs of 16 MiB (a reduce
+    tree), rooted on the first and the second worker, the second's inputs in
+    another order (its tree differs); with the input futures (keep them)."""
+    from dask_hoplite.config import HopliteConfig
     from dask_hoplite.core.reduce_plan import PlanRequest
     from dask_hoplite.worker import tasks
 
     ws = workers(client)
-    inputs = [np.full(2**21, float(i + 1)) for i in range(3)]  # 16 MiB: a reduce tree
+    inputs = [np.full(2**21, float(i + 1)) for i in range(3)]
     futures = [client.scatter(x, workers=[w]) for x, w in zip(inputs, ws, strict=True)]
-    from dask_hoplite.config import HopliteConfig
-
     cfg = HopliteConfig.from_dask_config()
     req = PlanRequest(
-        rid="twice",
+        rid=rid,
         op="sum",
         inputs=tuple(f.key for f in futures),
         k=3,
         min_bytes=cfg.min_bytes,
         block_bytes=cfg.block_bytes,
     )
-    # the second run's inputs in another order: its tree differs from the first's
     again = dataclasses.replace(req, inputs=req.inputs[::-1], to=ws[1])
     plans = [
         client.submit(tasks.plan_reduce, r, pure=False).result()
         for r in (dataclasses.replace(req, to=ws[0]), again)
     ]
+    assert plans[0]["type"] == plans[1]["type"] == "tree"
+    return plans, futures
+
+
+def test_a_reduction_planned_twice_gives_the_later_runs_result_and_never_mixes(client):
+    """Dask recomputes a reduction's plan when the worker holding it dies, and
+    the result task may then run on a new root while the first run's root, on
+    a worker the scheduler removed, goes on. Each computation of the plan is
+    a run of its own, numbered in order. Run at once, the later run gives the
+    right result; the earlier one either finished first, also right, or is
+    refused as stale. They never share partial results."""
+    from dask_hoplite.errors import StaleRun
+    from dask_hoplite.worker import tasks
+
+    plans, _ = _two_plans(client, "twice")
     assert plans[0]["rid"] != plans[1]["rid"]
     runs = [
         client.submit(tasks.run_reduce, p, workers=[to], pure=False)
-        for p, to in zip(plans, (ws[0], ws[1]), strict=True)
+        for p, to in zip(plans, workers(client)[:2], strict=True)
     ]
-    for r in runs:
-        np.testing.assert_array_equal(r.result(timeout=60), np.full(2**21, 6.0))
+    np.testing.assert_array_equal(runs[1].result(timeout=60), np.full(2**21, 6.0))
+    try:
+        np.testing.assert_array_equal(runs[0].result(timeout=60), np.full(2**21, 6.0))
+    except StaleRun as e:
+        assert plans[0]["spec"]["rid"] in str(e), e
+
+
+def test_a_replayed_run_of_a_reduction_is_refused_and_the_cluster_goes_on(client, caplog):
+    """Once a later run of a request has run, the earlier run's plan replayed
+    fails with a clear error naming it, and so does a node message of it
+    sent to a worker of the later run (logged there): nothing of it starts,
+    no partial result of it stays, and the next reduction runs."""
+    from dask_hoplite.errors import StaleRun
+    from dask_hoplite.worker import tasks
+
+    plans, futures = _two_plans(client, "replayed")
+    later = plans[1]["spec"]
+    root = later["addresses"][later["parent"].index(None)]
+    later_run = client.submit(tasks.run_reduce, plans[1], workers=[root], pure=False)
+    np.testing.assert_array_equal(later_run.result(timeout=60), np.full(2**21, 6.0))
+
+    earlier = plans[0]["spec"]
+    first_root = earlier["addresses"][earlier["parent"].index(None)]
+    replay = client.submit(tasks.run_reduce, plans[0], workers=[first_root], pure=False)
+    with pytest.raises(StaleRun, match=f"{earlier['rid']} is stale"):
+        replay.result(timeout=60)
+
+    node = next(i for i, a in enumerate(earlier["addresses"]) if a != first_root)
+
+    async def send_node(dask_worker):
+        return await dask_worker.rpc(earlier["addresses"][node]).hoplite_reduce_node(
+            spec=earlier, slot=node
+        )
+
+    with caplog.at_level("WARNING", logger="dask_hoplite.worker.reductions"):
+        reply = client.run(send_node, workers=[first_root])[first_root]
+    assert reply["status"] == "error" and reply.get("stale"), reply
+    assert f"{earlier['rid']} is stale" in reply["message"]
+    assert any(earlier["rid"] in r.getMessage() for r in caplog.records), caplog.text
+
+    def partials_of(rid, dask_worker):
+        store = dask_worker.plugins["hoplite-worker"].parts.ctx.store
+        return [k for k in store.buffers if isinstance(k, tuple) and rid in k]
+
+    held = client.run(partials_of, earlier["rid"])
+    assert not any(held.values()), held
+    assert_matches(dh.reduce(futures, op="sum").result(timeout=60), np.full(2**21, 6.0))

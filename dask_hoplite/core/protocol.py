@@ -44,8 +44,9 @@ from dask_hoplite.errors import ProtocolError
 
 #: Bumped on any incompatible change of the messages above or of the
 #: worker <-> scheduler directory messages. Peers with another value refuse.
-PROTOCOL_VERSION = 4  # 2: streams with an end (patches); 3: byte ranges; 4: reductions
-# planned on the scheduler (hoplite_plan_reduction, hoplite_replan_tree)
+PROTOCOL_VERSION = 5  # 2: streams with an end (patches); 3: byte ranges; 4: reductions
+# planned on the scheduler (hoplite_plan_reduction, hoplite_replan_tree); 5: reduction
+# runs numbered ``<request>-r<n>``, a stale run's messages refused
 
 STREAM_OP = "hoplite_stream"
 #: The scheduler's stream message that stops a collective's task on a worker

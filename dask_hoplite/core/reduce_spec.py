@@ -6,13 +6,15 @@ A spec is made by the planner (:mod:`dask_hoplite.core.reduce_plan`), inside
 a plan, and travels as a msgpack-able dict (:meth:`ReduceSpec.to_msg`) to the
 root's task and from the root to every node (:mod:`dask_hoplite.worker.reduce_node`).
 Slots index the inputs; ``parent[slot]`` is the slot a node streams its partial
-result to (None at the root).
+result to (None at the root). A tree's id names its run (:func:`run_name`):
+the scheduler numbers the runs of a request in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +47,52 @@ def segment_rid(rid: str, segment: int) -> str:
     """The id of segment ``segment``'s tree of reduction ``rid`` (a reduce in
     parts, or a segmented allreduce)."""
     return f"{rid}{SEGMENT_TAG}{segment}"
+
+
+#: Between a request's id and a run's number in a run's id: the scheduler's
+#: reduction coordinator numbers every run it plans, ``<request>-r<n>``; a
+#: tree of the run appends its segment (``-s<i>``) or pytree leaf (``-<j>``).
+RUN_TAG = "-r"
+_RUN_ID = re.compile(rf"^(?P<request>.+?){RUN_TAG}(?P<n>\d+)(?P<suffix>(-s?\d+)*)$")
+
+#: How many trees' latest run numbers the coordinator and each worker
+#: remember, to tell a stale run (the oldest are forgotten first).
+REMEMBERED_TREES = 10_000
+
+
+def run_rid(request: str, n: int) -> str:
+    """The id of run ``n`` of reduction request ``request``."""
+    return f"{request}{RUN_TAG}{n}"
+
+
+@dataclass(frozen=True)
+class RunName:
+    """What a tree's id says of its run: the request it runs, the run's
+    number, and which of the run's trees it is (``suffix``: ``""`` for the
+    whole reduction, else its segment or pytree leaf). A later run of the
+    same tree has a higher number."""
+
+    request: str
+    number: int
+    suffix: str
+
+    @property
+    def tree(self) -> str:
+        """The tree that runs again under a new number: request and suffix."""
+        return self.request + self.suffix
+
+    def later(self, number: int) -> str:
+        """The id of this tree in run ``number``."""
+        return f"{run_rid(self.request, number)}{self.suffix}"
+
+
+def run_name(rid: str) -> RunName | None:
+    """The run named by tree id ``rid``; None for an id the coordinator did
+    not number (a reduction planned on a cluster without the plugin)."""
+    m = _RUN_ID.match(rid)
+    if m is None:
+        return None
+    return RunName(m["request"], int(m["n"]), m["suffix"])
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,13 @@ then calls the pure planner (:func:`~dask_hoplite.core.reduce_plan.plan_reductio
 or :func:`~dask_hoplite.core.reduce_plan.relocated_spec`) and pins the tasks the
 plan places. The worker shells run what they get; none of them plans.
 
-Each plan is a run of its own, named ``<request id>-<n>`` with ``n`` counted
-by the coordinator: Dask computes a planning task again when the worker
-holding its result dies, and the second run's partial results and reduce
-nodes must never be confused with the first's.
+Each plan is a run of its own, named ``<request id>-r<n>`` with ``n`` counted
+by the coordinator (:func:`~dask_hoplite.core.reduce_spec.run_rid`): Dask
+computes a planning task again when the worker holding its result dies, and
+a broken tree restarts, and the second run's partial results and reduce nodes
+must never be confused with the first's. A worker that has seen run ``n`` of
+a tree refuses messages of its earlier runs
+(:meth:`~dask_hoplite.worker.reductions.RunningReductions.refusal`).
 
 Settings that shape a plan (``min_bytes``, ``block_bytes``, timeouts) come in
 the request, from the caller's configuration, never from the scheduler's.
@@ -26,6 +29,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +38,13 @@ from dask.typing import Key
 from dask_hoplite.core.allreduce_outputs import output_keys, output_roles, output_workers
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.core.reduce_plan import PlanRequest, plan_reduction, relocated_spec, unknown_to
-from dask_hoplite.core.reduce_spec import ReduceSpec, with_spares
+from dask_hoplite.core.reduce_spec import (
+    REMEMBERED_TREES,
+    ReduceSpec,
+    run_name,
+    run_rid,
+    with_spares,
+)
 from dask_hoplite.errors import ReduceInputLost
 from dask_hoplite.scheduler.first_ready import FirstReady
 from dask_hoplite.scheduler_calls import wait_for_holders
@@ -69,10 +79,34 @@ class ReductionCoordinator:
         self._answers = _OwnAnswers(task)
         #: Numbers the runs; kept when the plugin is registered again.
         self.counter = itertools.count(1) if counter is None else counter
+        #: The latest run number given to each tree (a request, or a
+        #: request's segment restarted on its own), the oldest forgotten first.
+        self._latest: OrderedDict[str, int] = OrderedDict()
 
-    def run_id(self, rid: str) -> str:
-        """A new run of request ``rid``."""
-        return f"{rid}-{next(self.counter)}"
+    def run_id(self, request: str) -> str:
+        """A new run of request ``request``."""
+        return run_rid(request, self._number(request))
+
+    def _number(self, tree: str) -> int:
+        """The next run's number, for ``tree``: a request, or one tree of a
+        request's run (a segment or a pytree leaf) restarted on its own."""
+        n = next(self.counter)
+        self._latest[tree] = n
+        self._latest.move_to_end(tree)
+        while len(self._latest) > REMEMBERED_TREES:
+            self._latest.popitem(last=False)
+        return n
+
+    def superseded(self, rid: str) -> str | None:
+        """Why tree ``rid`` may not run again (None: it may): a later run of
+        its request, or of this one tree of it, was planned since."""
+        run = run_name(rid)
+        if run is None:
+            return None
+        latest = max(self._latest.get(run.request, 0), self._latest.get(run.tree, 0))
+        if run.number < latest:
+            return f"reduction run {rid} is stale: run {latest} of the same tree was planned since"
+        return None
 
     # ------------------------------------------------------------ planning
 
@@ -141,11 +175,16 @@ class ReductionCoordinator:
         for while the scheduler recomputes it. A worker in ``avoid`` just
         failed: it is often dead but not yet removed, so for ``stall_timeout``
         an input it alone holds is waited for too, then it is used if it is
-        still the only holder. Answers ``{"spec", "swaps"}``, or ``{"failed":
+        still the only holder. Answers ``{"spec", "swaps"}``; ``{"failed":
         why}`` for an input that cannot come back or whose state stays the
         same for ``queue_timeout`` (waited for as a worker would,
-        :func:`~dask_hoplite.scheduler_calls.wait_for_holders`)."""
+        :func:`~dask_hoplite.scheduler_calls.wait_for_holders`); ``{"stale":
+        why}`` for a run superseded by a later one (:meth:`superseded`)."""
         old = ReduceSpec.from_msg(spec)
+        stale = self.superseded(old.rid)
+        if stale is not None:
+            logger.warning("refused to restart a superseded run: %s", stale)
+            return {"stale": stale}
         shun = set(avoid)
         swaps: dict[Key, Key] = {}
         if old.spares:
@@ -169,7 +208,14 @@ class ReductionCoordinator:
             if not shunned or time.monotonic() > shun_until:
                 break
             await asyncio.sleep(poll)
-        new = relocated_spec(old, who_has, shun, root, self.run_id(old.reduction_rid))
+        run = run_name(old.rid)
+        if run is None:
+            rid = self.run_id(old.reduction_rid)
+        elif old.segment is None:
+            rid = run.later(self._number(run.tree))
+        else:  # relocated_spec appends the segment's tag
+            rid = run_rid(run.request, self._number(run.tree))
+        new = relocated_spec(old, who_has, shun, root, rid)
         return {"spec": new.to_msg(), "swaps": [[lost, spare] for lost, spare in swaps.items()]}
 
 

@@ -151,8 +151,9 @@ class ReduceNodes:
         w = self.ctx.worker
         s = ReduceSpec.from_msg(spec)
         key = s.inputs[slot]
-        if self.reductions.is_aborted(s.rid):
-            return node_reply("reduction aborted")
+        refused = self.reductions.refusal(s.rid, starts=True)
+        if refused is not None:
+            return node_reply(refused)
         if key not in w.data:
             return node_reply(f"input {key!r} of the reduction is not in memory on {w.address}")
         try:
@@ -164,8 +165,8 @@ class ReduceNodes:
             with self.reductions.tracked(s.rid, task):
                 await task
             return {"status": "OK"}
-        except asyncio.CancelledError:
-            return node_reply("reduction aborted")
+        except asyncio.CancelledError:  # aborted, or superseded by a later run
+            return node_reply(self.reductions.superseded(s.rid) or "reduction aborted")
         except ReduceInputError as e:
             return node_reply(e)
         except Exception as e:
@@ -282,6 +283,9 @@ class ReduceNodes:
         combines child ``child`` (on ``address``) from a byte at or after
         ``at_least`` that it has not begun; replies that byte (None: the
         node no longer combines, its parent takes the whole rest)."""
+        refused = self.reductions.refusal(rid)
+        if refused is not None:
+            return node_reply(refused)
         node = self.running.get((rid, slot))
         start = None
         if node is not None and node.job is not None:
@@ -297,6 +301,9 @@ class ReduceNodes:
         no live reader has taken; replies that byte. The bytes before it are
         served for a patch, under :meth:`ReduceSpec.input_patch_key`."""
         s = ReduceSpec.from_msg(spec)
+        refused = self.reductions.refusal(s.rid)
+        if refused is not None:
+            return node_reply(refused)
         key = s.inputs[input_slot]
         data = self.ctx.worker.data
         if key not in data:

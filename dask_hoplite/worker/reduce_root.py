@@ -57,7 +57,13 @@ from dask_hoplite.core.tree_repair import (
     TreeRepair,
     repair_load,
 )
-from dask_hoplite.errors import NodeFailed, ReduceInputError, node_error
+from dask_hoplite.errors import (
+    CollectiveAborted,
+    NodeFailed,
+    ReduceInputError,
+    StaleRun,
+    node_error,
+)
 from dask_hoplite.scheduler_calls import replan_tree, wait_for_holders
 from dask_hoplite.worker.context import WorkerContext, all_or_cancel, cancel_quietly
 from dask_hoplite.worker.reduce_node import ReduceNodes
@@ -117,6 +123,9 @@ class TreeRoot:
         node was. Only if none is asked for within a stall timeout does the
         tree count as broken."""
         spec = self.repair.spec
+        refused = self.reductions.refusal(spec.rid, starts=True)
+        if refused is not None:
+            raise refused if isinstance(refused, StaleRun) else CollectiveAborted(refused)
         for i in range(len(spec.inputs)):
             if i != spec.root:
                 t = asyncio.create_task(self._start_node(spec, i))
@@ -223,7 +232,7 @@ class TreeRoot:
         if not any(errors):
             errors = [NodeFailed(f"a node of {self.rid} died and was not replaced", "")]
         return next(
-            (e for e in errors if isinstance(e, ReduceInputError)),
+            (e for e in errors if isinstance(e, (ReduceInputError, StaleRun))),
             next(e for e in errors if e is not None),
         )
 
@@ -469,7 +478,7 @@ class ReduceRoots:
             try:
                 result = await self._attempt(spec, value, into, failed)
                 break
-            except ReduceInputError:
+            except (ReduceInputError, StaleRun):  # restarting would not help
                 raise
             except Exception as e:
                 if spec.is_allreduce or attempt == ctx.config.max_resumes:

@@ -15,6 +15,10 @@ What one worker must know about the trees it takes part in, by reduction id:
   replacement reads it again);
 * the node and copy tasks running here (an abort cancels them), and the ids
   aborted already (an abort may overtake its node's call);
+* the latest run of each tree seen here: the scheduler numbers the runs of a
+  request in order, so a message of an earlier run is stale and refused
+  (:meth:`RunningReductions.refusal`), and a node of a later run ends what
+  is left here of the earlier one;
 * the roots running here, each one object (:class:`RootHandle`), which the
   plugin routes ``hoplite_reduce_replace`` and ``hoplite_reduce_running`` to.
 """
@@ -23,15 +27,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
+import logging
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 from dask.typing import Key
 
-from dask_hoplite.core.reduce_spec import is_input_patch_key, is_partial_key, partial_key
+from dask_hoplite.core.reduce_spec import (
+    REMEMBERED_TREES,
+    is_input_patch_key,
+    is_partial_key,
+    partial_key,
+    run_name,
+)
 from dask_hoplite.core.store import ObjectBuffer
+from dask_hoplite.errors import StaleRun
 from dask_hoplite.worker.context import WorkerContext
+
+logger = logging.getLogger(__name__)
 
 
 class RootHandle(Protocol):
@@ -50,6 +64,7 @@ class RunningReductions:
         self._released: dict[Key, asyncio.Future[None]] = {}
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self._aborted: deque[str] = deque(maxlen=1000)
+        self._latest: OrderedDict[str, int] = OrderedDict()
         #: The roots running here, by reduction id.
         self.roots: dict[str, RootHandle] = {}
 
@@ -176,6 +191,43 @@ class RunningReductions:
 
     def is_aborted(self, rid: str) -> bool:
         return rid in self._aborted
+
+    def superseded(self, rid: str) -> StaleRun | None:
+        """Whether tree ``rid`` is a stale run: one earlier than a run of the
+        same tree (request and segment) seen here."""
+        run = run_name(rid)
+        if run is None:  # planned without the plugin: runs are not numbered
+            return None
+        latest = self._latest.get(run.tree, run.number)
+        if run.number < latest:
+            return StaleRun(f"reduction run {rid} is stale: run {latest} of the same tree started")
+        return None
+
+    def refusal(self, rid: str, starts: bool = False) -> StaleRun | str | None:
+        """Why a message of tree ``rid`` is refused here (None: it is taken):
+        a stale run (:meth:`superseded`, logged), or a run aborted here.
+
+        A message that ``starts`` a node of a later run than any seen here
+        aborts the earlier run's nodes and partial results here: its root
+        restarted or died, or runs on a worker the scheduler removed, and
+        nothing will read them."""
+        stale = self.superseded(rid)
+        if stale is not None:
+            logger.warning("refused a message of a superseded run: %s", stale)
+            return stale
+        if self.is_aborted(rid):
+            return f"reduction {rid} was aborted"
+        run = run_name(rid)
+        if run is None:
+            return None
+        latest = self._latest.get(run.tree)
+        if starts and latest is not None and latest < run.number:
+            self.abort(run.later(latest))
+        self._latest[run.tree] = max(run.number, latest or 0)
+        self._latest.move_to_end(run.tree)
+        while len(self._latest) > REMEMBERED_TREES:
+            self._latest.popitem(last=False)
+        return None
 
     def abort(self, rid: str) -> None:
         """RPC ``hoplite_reduce_abort``: stop this worker's nodes of ``rid``
