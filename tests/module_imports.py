@@ -174,3 +174,23 @@ def callers(name: str, known: dict[str, str] | None = None) -> set[str]:
     for mod, path in known.items():
         walk(ast.parse(open(path).read(), path), mod)
     return out
+
+
+def climbs(graph: dict[str, set[str]], rank: dict[str, int]) -> list[list[str]]:
+    """Every import path from a module to one of a higher ``rank``, directly or
+    through other modules: one shortest path (a list of modules, importer
+    first) per (module, higher module) pair."""
+    out = []
+    for start in sorted(graph):
+        paths = {start: [start]}
+        queue = [start]
+        while queue:
+            here = queue.pop(0)
+            for nxt in sorted(graph.get(here, ())):
+                if nxt not in paths:
+                    paths[nxt] = [*paths[here], nxt]
+                    queue.append(nxt)
+        out += [
+            path for end, path in sorted(paths.items()) if rank.get(end, 0) > rank.get(start, 0)
+        ]
+    return out
