@@ -244,3 +244,31 @@ def test_a_freed_thread_starts_a_round_while_a_large_keys_task_is_queued():
     assert not ps.queued
     loop.run()
     assert len(cluster.moved) == 1
+
+
+def test_a_task_the_worker_already_started_is_not_asked_for_again():
+    """Dask refuses to steal a task its worker has started (the worker may run
+    tasks in another order than their priority): the task stays there. The
+    next round asks for another one, not the refused one again."""
+    cluster, loop = Cluster(2, 1 << 20), Loop()
+    ps = _prompt(cluster, loop)
+    w0, _ = cluster.workers
+    for i in range(4):
+        cluster.submit(f"t{i}", w0)
+        ps.key_transitioned(f"t{i}", "waiting", "processing")
+    refused = []
+    move = cluster.move
+
+    def refuse_t3(ts, victim, thief):
+        if ts.key == "t3":
+            refused.append(ts.key)  # already computing: it stays on w0
+        else:
+            move(ts, victim, thief)
+
+    cluster.move = refuse_t3
+    loop.run()
+    assert refused == ["t3"] and cluster.moved == []
+    cluster.finish("t0")  # a thread frees on w0: another round
+    ps.key_transitioned("t0", "processing", "memory")
+    loop.run()
+    assert refused == ["t3"] and cluster.moved == [("t2", "w0", "w1")]

@@ -126,6 +126,11 @@ class PromptStealing:
         self._pending = False
         #: Steals requested (a figure for tests and the logs).
         self.moves = 0
+        #: The worker each task was asked to move from. A task still
+        #: processing there at a later round was refused: the worker had
+        #: started it ("already-computing" in Dask's stealing log), and asking
+        #: again would only cost the round another idle worker could use.
+        self._asked: dict[Key, WorkerState] = {}
 
     @classmethod
     def on_scheduler(
@@ -159,6 +164,7 @@ class PromptStealing:
                 self._soon()
         elif start == "processing":
             self.queued.discard(key)
+            self._asked.pop(key, None)
             if self.queued:
                 # A thread freed (or a task moved): a queued task may go there.
                 self._soon()
@@ -177,8 +183,9 @@ class PromptStealing:
 
     def _candidates(self) -> dict[WorkerState, list[TaskState]]:
         """Per worker with more tasks than threads, its tasks that need a
-        large key and may move (not being moved, a duration Dask estimates
-        above zero: Dask's steal bookkeeping requires one)."""
+        large key and may move (not being moved, not refused already by that
+        worker, a duration Dask estimates above zero: Dask's steal
+        bookkeeping requires one)."""
         st = self._stealing
         out: dict[WorkerState, list[TaskState]] = {}
         for key in self.queued:
@@ -186,7 +193,7 @@ class PromptStealing:
             ws = ts.processing_on if ts is not None else None
             if ts is None or ws is None or st.nprocessing(ws) <= ws.nthreads:
                 continue
-            if st.moving(ts) or st.duration(ts) <= 0:
+            if st.moving(ts) or st.duration(ts) <= 0 or self._asked.get(key) is ws:
                 continue
             out.setdefault(ws, []).append(ts)
         return out
@@ -217,6 +224,7 @@ class PromptStealing:
                 wait_here = st.occupancy(victim) - (st.comm_cost(ts, victim) + compute) / 2
                 if cost_there <= wait_here:
                     st.move(ts, victim, thief)
+                    self._asked[ts.key] = victim
                     candidates[victim].remove(ts)
                     moved += 1
                     break
