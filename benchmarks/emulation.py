@@ -267,34 +267,9 @@ class EmulatedCluster:
         ]
         if preload:
             argv += ["--preload", preload]
-        logp = (lambda n: os.path.join(log_dir, f"{n}.log")) if log_dir else (lambda n: None)
-        self.spawn("sched", argv, env, logp("scheduler"))
+        self.spawn("sched", argv, env, os.path.join(log_dir, "scheduler.log") if log_dir else None)
         for i in range(self.n_workers):
-            role = f"w{i}"
-            for j in range(self.workers_per_host):
-                name = role if self.workers_per_host == 1 else f"{role}-{j}"
-                self.spawn(
-                    role,
-                    [
-                        sys.executable,
-                        "-m",
-                        "distributed.cli.dask_worker",
-                        self.scheduler_address,
-                        "--host",
-                        self.hosts[role].address,
-                        "--nthreads",
-                        str(nthreads),
-                        "--no-nanny",
-                        "--name",
-                        name,
-                        "--dashboard-address",
-                        ":0",
-                        "--memory-limit",
-                        "0",
-                    ],
-                    env,
-                    logp(name),
-                )
+            self.start_workers(f"w{i}", env, nthreads, log_dir)
         code = (
             "import sys, time\n"
             "from distributed import Client\n"
@@ -304,6 +279,43 @@ class EmulatedCluster:
         )
         self.run_in_client([sys.executable, "-c", code], timeout=timeout + 30)
         return self.scheduler_address
+
+    def start_workers(
+        self,
+        role: str,
+        env: dict[str, str] | None = None,
+        nthreads: int = 1,
+        log_dir: str | None = None,
+    ) -> None:
+        """Start host ``role``'s worker processes (again, after a kill: the
+        dead ones are forgotten), named ``role`` (``role-j`` with several per
+        host); they join the scheduler started by :meth:`start_dask`."""
+        host = self.hosts[role]
+        host.procs = [p for p in host.procs if p.poll() is None]
+        for j in range(self.workers_per_host):
+            name = role if self.workers_per_host == 1 else f"{role}-{j}"
+            self.spawn(
+                role,
+                [
+                    sys.executable,
+                    "-m",
+                    "distributed.cli.dask_worker",
+                    self.scheduler_address,
+                    "--host",
+                    host.address,
+                    "--nthreads",
+                    str(nthreads),
+                    "--no-nanny",
+                    "--name",
+                    name,
+                    "--dashboard-address",
+                    ":0",
+                    "--memory-limit",
+                    "0",
+                ],
+                env,
+                os.path.join(log_dir, f"{name}.log") if log_dir else None,
+            )
 
     def run_in_client(
         self, argv: Sequence[str], timeout: float = 600, env: dict[str, str] | None = None

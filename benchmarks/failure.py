@@ -32,6 +32,11 @@ Each scenario runs without failure too, with hoplite and with Dask's default
 request to the last surviving result; the results are checked.
 
     python benchmarks/failure.py --workers 8 --rate-mbit 1000 --size 256MiB
+
+With ``--warm K``, each scenario instead runs on one cluster, K kills in a
+row, each after a failure-free repetition (:mod:`benchmarks.failure_warm`):
+
+    python benchmarks/failure.py --warm 5 --workers 8 --rate-mbit 250 --size 64MiB
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
+from benchmarks.failure_warm import WarmScenario, print_warm, run_warm  # noqa: E402
 from dask_hoplite.config import REDUCE_REPAIRS, resolve_repair  # noqa: E402
 
 SCENARIOS = (
@@ -359,9 +365,22 @@ def main(argv: list[str] | None = None) -> int:
         "default: spread in a reduce in parts, replace in one tree)",
     )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument(
+        "--warm", type=int, default=0, help="K: each scenario on one cluster, K kills in a row"
+    )
+    ap.add_argument(
+        "--pythonpath",
+        nargs="+",
+        default=[""],
+        help="with --warm: run on the dask_hoplite in each directory in turn, alternately "
+        "('' : the installed one; run from outside the checkout, or the current "
+        "directory's dask_hoplite comes first)",
+    )
     args = ap.parse_args(argv)
     size = parse_bytes(args.size)
     env = {"DASK_HOPLITE__STALL_TIMEOUT": args.stall_timeout}
+    if args.warm:
+        return _main_warm(args, size, env)
     results: list[Outcome] = []
     with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit) as ec:
         for scenario in args.scenarios:
@@ -388,6 +407,37 @@ def main(argv: list[str] | None = None) -> int:
         json.dump([asdict(o) for o in results], f, indent=1)
     print(f"wrote {path}")
     return 0 if all(o.ok for o in results) else 1
+
+
+def _main_warm(args: argparse.Namespace, size: int, env: dict[str, str]) -> int:
+    results: list[WarmScenario] = []
+    with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit) as ec:
+        for scenario in args.scenarios:
+            for method in args.methods:
+                for path in args.pythonpath:
+                    run_env = {**env, **({"PYTHONPATH": path} if path else {})}
+                    r = run_warm(
+                        ec,
+                        scenario,
+                        method,
+                        size,
+                        args.warm,
+                        victim_of(scenario),
+                        env=run_env,
+                        parts=args.parts[0],
+                    )
+                    results.append(r)
+                    print_warm([r])
+    print()
+    print(f"N={args.workers}, {args.rate_mbit:g} Mbit/s, S={format_bytes(size)}, warm")
+    print_warm(results)
+    os.makedirs(args.out, exist_ok=True)
+    name = args.name or f"failure-warm-n{args.workers}-{args.size}"
+    path = os.path.join(args.out, name + ".json")
+    with open(path, "w") as f:
+        json.dump([asdict(r) for r in results], f, indent=1)
+    print(f"wrote {path}")
+    return 0 if all(r.ok for r in results) else 1
 
 
 if __name__ == "__main__":

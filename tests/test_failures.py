@@ -108,3 +108,17 @@ def test_retiring_a_relay_mid_broadcast_loses_nothing_and_does_not_restart(ec):
     assert o.ok, o  # every consumer, the retired worker's included (run elsewhere)
     assert o.resumes >= 1 and o.restarts == 0, o
     assert o.bytes_resumed > 0, o  # the cut receivers kept the bytes they had
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_participant_killed_again_and_again_on_one_cluster_never_costs_a_wrong_result(ec):
+    """Warm failures (``benchmarks/failure.py --warm``): the same reduce
+    participant killed twice on one cluster, restarted in between (it joins
+    again, the plugin with it); a failure-free reduction before each kill.
+    Every result is right and each kill is timed."""
+    from benchmarks.failure_warm import run_warm
+
+    r = run_warm(ec, "reduce", "hoplite", SIZE, kills=2, victim="w1", env=ENV)
+    assert r.ok, r
+    assert len(r.kills) == 2 and all(k.killed > 0 and k.free > 0 for k in r.kills), r
