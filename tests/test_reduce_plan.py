@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from test_array import spread, taken_over
 
 import dask_hoplite as dh
+from dask_hoplite.core.allreduce_outputs import output_roles, output_workers
 from dask_hoplite.core.network_model import NetworkEstimate
 from dask_hoplite.core.reduce_plan import (
     AllreduceTree,
@@ -77,11 +78,14 @@ def test_a_plan_reduces_exactly_the_chosen_inputs_on_the_worker_asked_for(case):
         assert plan.root == to  # the result is where the caller asked
     if is_small(size, MIN):
         assert isinstance(plan, OneTask)
-        assert plan.copies == (
-            tuple(sorted({sorted(who_has[c])[0] for c in chosen} - {plan.root}))
-            if allreduce
-            else ()
-        )
+        if allreduce:  # every other input's worker pulls the one task's result
+            workers = output_workers(chosen, who_has)
+            first = {w: workers.index(w) for w in workers}
+            for i, (w, role) in enumerate(zip(workers, output_roles(plan, workers), strict=True)):
+                if first[w] != i:
+                    assert role == ["alias", first[w]]
+                else:
+                    assert role == (["reduce"] if w == plan.root else ["pull", first[plan.root]])
         return
     specs = list(plan.specs) if isinstance(plan, (SplitTrees, SegmentedAllreduce)) else [plan.spec]
     kinds = (SegmentedAllreduce, AllreduceTree, Tree) if allreduce else (Tree, SplitTrees)
@@ -123,15 +127,14 @@ def test_the_shape_follows_the_size_the_workers_and_the_call():
     def plan(nbytes, net=NET, **kw):
         return plan_reduction(request(keys, **kw), keys, who_has, nbytes, net)
 
-    assert isinstance(plan(small), OneTask) and plan(small).registered
+    assert isinstance(plan(small), OneTask)
     assert isinstance(plan(big), Tree)
     assert isinstance(plan(big, parts=4), SplitTrees) and len(plan(big, parts=4).specs) == 4
     assert isinstance(plan(big, allreduce=True), SegmentedAllreduce)
     assert isinstance(plan(big, allreduce=True, segment_min_bytes=2**40), AllreduceTree)
     # dask-hoplite not on the cluster
     alone = plan_without_hoplite(request(keys, allreduce=True), keys, who_has)
-    assert isinstance(alone, OneTask) and not alone.registered
-    assert alone.copies == tuple(WORKERS[1:4])
+    assert isinstance(alone, OneTask) and alone.worker == WORKERS[0]
 
 
 def test_dict_inputs_are_reduced_leaf_by_leaf():

@@ -49,10 +49,10 @@ from typing import Any, ClassVar
 from dask.typing import Key
 
 from dask_hoplite.core.network_model import NetworkEstimate
-from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
 from dask_hoplite.core.reduce_spec import ReduceSpec, segment_rid
 from dask_hoplite.core.shape_choice import choose_parts
 from dask_hoplite.core.split_trees import split_tree_parents
+from dask_hoplite.core.tree_shape import colocated_order, max_chain_length, plan_reduce_tree
 from dask_hoplite.errors import ReduceInputLost
 
 logger = logging.getLogger(__name__)
@@ -165,17 +165,13 @@ class _PlanBase:
 
 @dataclass(frozen=True)
 class OneTask(_PlanBase):
-    """One task on ``worker`` fetches the chosen inputs and reduces them.
-    ``copies``: for an allreduce, the other workers that get the result; with
-    ``registered`` they pull it from ``worker`` the moment it exists (the
-    worker part's ``hoplite_result``), else they are Dask tasks that depend
-    on it."""
+    """One task on ``worker`` fetches the chosen inputs and reduces them (an
+    allreduce's other outputs then pull the result from ``worker``:
+    :func:`~dask_hoplite.core.allreduce_outputs.output_roles`)."""
 
     TAG: ClassVar[str] = "one-task"
 
     worker: str
-    copies: tuple[str, ...] = ()
-    registered: bool = True
 
     @property
     def root(self) -> str:
@@ -306,7 +302,7 @@ def plan_without_hoplite(
     """The plan on a cluster without dask-hoplite: one task fetches the
     chosen inputs and reduces them, as Dask alone would."""
     addresses, base = _placed(req, chosen, who_has)
-    return _one_task(req, base, addresses, registered=False)
+    return _one_task(req, base, addresses)
 
 
 def _placed(
@@ -330,12 +326,8 @@ def _placed(
     return addresses, base
 
 
-def _one_task(
-    req: PlanRequest, base: dict[str, Any], addresses: list[str], registered: bool
-) -> OneTask:
-    worker = req.to or addresses[0]
-    copies = tuple(sorted(set(addresses) - {worker})) if req.allreduce else ()
-    return OneTask(**base, worker=worker, copies=copies, registered=registered)
+def _one_task(req: PlanRequest, base: dict[str, Any], addresses: list[str]) -> OneTask:
+    return OneTask(**base, worker=req.to or addresses[0])
 
 
 def _plan(
@@ -352,7 +344,7 @@ def _plan(
     size = max(int(nbytes.get(key, 0) or 0) for key in chosen)
     distinct = list(dict.fromkeys(addresses))
     if is_small(size, req.min_bytes):
-        return _one_task(req, base, addresses, registered=True)
+        return _one_task(req, base, addresses)
     if req.allreduce:
         if len(distinct) >= 3 and size // len(distinct) >= req.segment_min_bytes:
             specs, roots = segmented_allreduce_specs(
