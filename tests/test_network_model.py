@@ -13,7 +13,7 @@ from dask_hoplite.core.network_model import (
     MIN_SAMPLE_BYTES,
     NetworkModel,
 )
-from dask_hoplite.core.planner import max_chain_length
+from dask_hoplite.core.tree_shape import max_chain_length
 
 
 def test_fallbacks_until_measured():

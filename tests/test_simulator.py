@@ -17,7 +17,7 @@ from benchmarks.simulator.broadcast import HopliteBroadcast, dask_broadcast
 from benchmarks.simulator.network import EPS, Buffer, Flow, Network
 from benchmarks.simulator.params import Cluster, MiB, Overheads, address
 from benchmarks.simulator.reduce import HopliteReduce, SplitReduce
-from dask_hoplite.core.planner import ReduceTree
+from dask_hoplite.core.tree_shape import ReduceTree
 
 S = 64 * MiB
 CLUSTER = Cluster(125e6, Overheads(efficiency=1.0, hop_latency=0.002, setup=0.001))

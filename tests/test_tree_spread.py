@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_hoplite.core.planner import plan_reduce_tree
+from dask_hoplite.core.tree_shape import plan_reduce_tree
 from dask_hoplite.core.tree_spread import LiveTree, Patch, worker_load
 from dask_hoplite.errors import SpreadRefused
 

@@ -1,6 +1,6 @@
 """Reduce of one object per worker into one root, shaped by the real planner
-(:func:`~dask_hoplite.core.planner.plan_reduce_tree` with Hoplite's
-:func:`~dask_hoplite.core.planner.max_chain_length`) and repaired with the real
+(:func:`~dask_hoplite.core.tree_shape.plan_reduce_tree` with Hoplite's
+:func:`~dask_hoplite.core.tree_shape.max_chain_length`) and repaired with the real
 :class:`~dask_hoplite.core.tree_repair.TreeRepair`; and Dask's one-task reduce
 (every input fetched into one worker) for comparison.
 
@@ -35,12 +35,6 @@ from benchmarks.simulator.broadcast import Outcome
 from benchmarks.simulator.engine import Engine
 from benchmarks.simulator.network import Buffer, Flow, Network
 from benchmarks.simulator.params import Cluster, address
-from dask_hoplite.core.planner import (
-    ReduceTree,
-    colocated_order,
-    max_chain_length,
-    plan_reduce_tree,
-)
 from dask_hoplite.core.reduce_plan import split_tree_specs
 from dask_hoplite.core.reduce_spec import ReduceSpec
 from dask_hoplite.core.tree_repair import (
@@ -53,6 +47,12 @@ from dask_hoplite.core.tree_repair import (
     RepairAsked,
     Replace,
     TreeRepair,
+)
+from dask_hoplite.core.tree_shape import (
+    ReduceTree,
+    colocated_order,
+    max_chain_length,
+    plan_reduce_tree,
 )
 
 

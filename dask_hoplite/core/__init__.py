@@ -8,7 +8,7 @@ events, returning decisions, with no sockets and no event loop inside.
 * :mod:`~dask_hoplite.core.split_trees`: a split-tree broadcast's trees, one per part;
 * :mod:`~dask_hoplite.core.byte_ranges`: a key received in byte ranges, one tree each;
 * :mod:`~dask_hoplite.core.object_parts`: cutting an object into parts and joining them;
-* :mod:`~dask_hoplite.core.planner`: the shape of a reduce tree;
+* :mod:`~dask_hoplite.core.tree_shape`: the shape of a reduce tree;
 * :mod:`~dask_hoplite.core.shape_choice`: one tree or split trees, and how many parts;
 * :mod:`~dask_hoplite.core.block_size`: the block a stream reads, fitted to its chain's depth;
 * :mod:`~dask_hoplite.core.relay_rates`: streams' receive rates, and the relays that

@@ -1,7 +1,7 @@
 """The cluster's per-host bandwidth B and per-hop latency L, as measured.
 
 Reduce trees are shaped by Hoplite's rule ``k = S / (B * L)``
-(:func:`dask_hoplite.core.planner.max_chain_length`). The scheduler part keeps one
+(:func:`dask_hoplite.core.tree_shape.max_chain_length`). The scheduler part keeps one
 :class:`NetworkModel`: every worker reports each hoplite stream it received
 (bytes, seconds from the sender's assignment to the last byte) and its own
 latency to the scheduler as Dask measures it on heartbeats. The estimates are

@@ -8,7 +8,7 @@ A broadcast or reduce of ``S`` bytes over ``m`` hosts at per-host bandwidth
   receiving host; a relay forwards a block once all of it has landed, so the
   last host is ``m`` pipeline fills behind the source, one block plus the
   per-hop latency ``L`` each: ``S/B + m (b/B + L)``. A reduce is Hoplite's
-  tree (:func:`~dask_hoplite.core.planner.plan_reduce_tree`): chains below a
+  tree (:func:`~dask_hoplite.core.tree_shape.plan_reduce_tree`): chains below a
   binary top whose nodes take two streams in, so their ingress carries
   ``2 S``: ``f S/B + h (b/B + L)`` with ``f`` the widest fan-in and ``h`` the
   height.
@@ -39,8 +39,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from dask_hoplite.core.planner import max_chain_length, plan_reduce_tree
 from dask_hoplite.core.split_trees import split_tree_parents, tree_depth
+from dask_hoplite.core.tree_shape import max_chain_length, plan_reduce_tree
 
 #: The part counts considered.
 PART_CHOICES = (1, 2, 4, 8, 16, 32)

@@ -1,6 +1,6 @@
 """A node of a pipelined reduce tree, on the worker that holds its input.
 
-Every node of the tree (planned by :mod:`dask_hoplite.core.planner`) holds one
+Every node of the tree (planned by :mod:`dask_hoplite.core.tree_shape`) holds one
 input. It streams each child's *partial result*, combines its own operand
 with them block by block (:mod:`dask_hoplite.worker.combine`), and exposes its
 own partial result as a buffer in the worker's block store, which its parent

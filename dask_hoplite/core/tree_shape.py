@@ -1,4 +1,4 @@
-"""Reduce-tree planning: the shape of a pipelined reduction, as in Hoplite.
+"""A reduce tree's shape, as in Hoplite: how deep, how many chains, which slot each input fills.
 
 Pure functions, no I/O. A reduction of N objects of S bytes runs on N nodes
 (the result's receiver is one of them, the root); every node adds the streams of

@@ -1,4 +1,4 @@
-"""The reduce-tree planner: Hoplite's shape rule, fill order, invariants."""
+"""A reduce tree's shape: Hoplite's rule, the fill order, invariants."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_hoplite.core.hosts import host_of
-from dask_hoplite.core.planner import colocated_order, max_chain_length, plan_reduce_tree
+from dask_hoplite.core.tree_shape import colocated_order, max_chain_length, plan_reduce_tree
 
 
 def test_large_objects_give_one_chain():
@@ -175,7 +175,7 @@ def _fill_by_scanning(children, root, root_input, addresses):
 @settings(max_examples=300, deadline=None)
 @given(n=st.integers(1, 60), k=st.integers(1, 12), data=st.data())
 def test_the_fill_places_inputs_as_its_plain_specification_does(n, k, data):
-    from dask_hoplite.core.planner import _fill
+    from dask_hoplite.core.tree_shape import _fill
 
     plan = plan_reduce_tree(n, k)
     pool = [f"tcp://10.0.0.{h}:{4000 + w}" for h in range(5) for w in range(3)]
