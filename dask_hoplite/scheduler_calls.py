@@ -120,18 +120,21 @@ async def replan_tree(
     *,
     queue_timeout: float,
     stall_timeout: float,
+    supersede: bool = False,
 ) -> tuple[ReduceSpec, dict[Key, Key]]:
     """Tree ``spec`` as a new run rooted on ``root``, with every input where
     it is now, and the lost inputs spares replaced (lost -> spare), from the
     scheduler's reduction coordinator (``hoplite_replan_tree``). Raises
     :class:`ReduceInputLost` for an input that cannot come back,
-    :class:`StaleRun` for a run that a later one superseded."""
+    :class:`StaleRun` for a run that a later one superseded (not with
+    ``supersede``: the coordinator's ``replan_tree``)."""
     answer = await scheduler.hoplite_replan_tree(
         spec=spec.to_msg(),
         root=root,
         avoid=sorted(avoid),
         queue_timeout=queue_timeout,
         stall_timeout=stall_timeout,
+        supersede=supersede,
     )
     if "failed" in answer:
         raise ReduceInputLost(answer["failed"])

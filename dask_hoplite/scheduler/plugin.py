@@ -206,6 +206,7 @@ class Hoplite(SchedulerPlugin):
             lambda: s.workers,
             s.set_restrictions,
             counter=previous.reductions.counter if previous and previous.reductions else None,
+            latest=previous.reductions.latest if previous and previous.reductions else None,
         )
         spares_used = self.spares_used
         if COLLECTIVES in self.features:

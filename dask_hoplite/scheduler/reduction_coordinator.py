@@ -70,6 +70,7 @@ class ReductionCoordinator:
         workers: Callable[[], Collection[str]],
         restrict: Callable[[dict[Key, Collection[str] | str | None]], None],
         counter: itertools.count[int] | None = None,
+        latest: OrderedDict[str, int] | None = None,
     ) -> None:
         self.first_ready = first_ready
         self.network = network
@@ -80,8 +81,9 @@ class ReductionCoordinator:
         #: Numbers the runs; kept when the plugin is registered again.
         self.counter = itertools.count(1) if counter is None else counter
         #: The latest run number given to each tree (a request, or a
-        #: request's segment restarted on its own), the oldest forgotten first.
-        self._latest: OrderedDict[str, int] = OrderedDict()
+        #: request's segment restarted on its own), the oldest forgotten
+        #: first; kept when the plugin is registered again.
+        self.latest: OrderedDict[str, int] = OrderedDict() if latest is None else latest
 
     def run_id(self, request: str) -> str:
         """A new run of request ``request``."""
@@ -91,10 +93,10 @@ class ReductionCoordinator:
         """The next run's number, for ``tree``: a request, or one tree of a
         request's run (a segment or a pytree leaf) restarted on its own."""
         n = next(self.counter)
-        self._latest[tree] = n
-        self._latest.move_to_end(tree)
-        while len(self._latest) > REMEMBERED_TREES:
-            self._latest.popitem(last=False)
+        self.latest[tree] = n
+        self.latest.move_to_end(tree)
+        while len(self.latest) > REMEMBERED_TREES:
+            self.latest.popitem(last=False)
         return n
 
     def superseded(self, rid: str) -> str | None:
@@ -103,7 +105,7 @@ class ReductionCoordinator:
         run = run_name(rid)
         if run is None:
             return None
-        latest = max(self._latest.get(run.request, 0), self._latest.get(run.tree, 0))
+        latest = max(self.latest.get(run.request, 0), self.latest.get(run.tree, 0))
         if run.number < latest:
             return f"reduction run {rid} is stale: run {latest} of the same tree was planned since"
         return None
@@ -166,6 +168,7 @@ class ReductionCoordinator:
         queue_timeout: float = 300.0,
         stall_timeout: float = 10.0,
         poll: float = 0.1,
+        supersede: bool = False,
     ) -> dict[str, Any]:
         """Tree ``spec`` (a :meth:`ReduceSpec.to_msg`) as a new run rooted on
         ``root``, with every input where it is now.
@@ -179,9 +182,11 @@ class ReductionCoordinator:
         why}`` for an input that cannot come back or whose state stays the
         same for ``queue_timeout`` (waited for as a worker would,
         :func:`~dask_hoplite.scheduler_calls.wait_for_holders`); ``{"stale":
-        why}`` for a run superseded by a later one (:meth:`superseded`)."""
+        why}`` for a run superseded by a later one (:meth:`superseded`), but not
+        with ``supersede``: the caller is a result task Dask started (again),
+        the live run whatever ran before it."""
         old = ReduceSpec.from_msg(spec)
-        stale = self.superseded(old.rid)
+        stale = None if supersede else self.superseded(old.rid)
         if stale is not None:
             logger.warning("refused to restart a superseded run: %s", stale)
             return {"stale": stale}

@@ -36,7 +36,7 @@ from dask_hoplite.core.reduce_ops import resolve_op
 from dask_hoplite.core.reduce_plan import PlanRequest, Tree, plan_from_msg
 from dask_hoplite.core.reduce_spec import ReduceSpec, as_input, flat_shape, join_segments
 from dask_hoplite.core.store import ObjectBuffer
-from dask_hoplite.errors import CollectiveAborted, ReduceInputError, as_exception
+from dask_hoplite.errors import CollectiveAborted, ReduceInputError, StaleRun, as_exception
 from dask_hoplite.scheduler_calls import request_plan
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, cancel_quietly
@@ -66,11 +66,11 @@ class Allreduce:
         self, what: str, attempt: Awaitable[Any], spec: ReduceSpec, slot: int, value: Any
     ) -> Any:
         """``attempt``'s result, or, if its pipeline broke, the whole
-        reduction of ``spec``'s inputs here (an input that does not fit is
-        final)."""
+        reduction of ``spec``'s inputs here (an input that does not fit, and
+        a run that a later one superseded, are final)."""
         try:
             return await attempt
-        except ReduceInputError:
+        except (ReduceInputError, StaleRun):
             raise
         except Exception as e:
             logger.warning(

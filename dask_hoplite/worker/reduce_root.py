@@ -469,8 +469,11 @@ class ReduceRoots:
         # The root's input defines the shape and dtype (and, for a pytree,
         # the structure) every input must have.
         spec = with_root_input(spec, value)
-        if spec.addresses[root] != ctx.address:  # Dask ran the root elsewhere
-            spec = await self._relocated(spec, set(), swaps)
+        if spec.addresses[root] != ctx.address or self.reductions.superseded(spec.rid):
+            # Dask ran the result task elsewhere, or again after an earlier
+            # execution of it restarted the tree: this execution is the live
+            # one, and its new run supersedes whatever the earlier one left.
+            spec = await self._relocated(spec, set(), swaps, supersede=True)
         # Workers that did not answer their node's call, or whose node's input
         # was lost with them.
         failed: set[str] = set()
@@ -550,13 +553,15 @@ class ReduceRoots:
         return new
 
     async def _relocated(
-        self, spec: ReduceSpec, avoid: set[str], swaps: dict[Key, Key]
+        self, spec: ReduceSpec, avoid: set[str], swaps: dict[Key, Key], supersede: bool = False
     ) -> ReduceSpec:
         """``spec`` as a new run rooted here, every input where it is now,
         from the scheduler's reduction coordinator: it waits while the
         scheduler recomputes lost inputs unless a spare is ready to take a
         lost input's place (recorded in ``swaps``: lost -> spare), and uses
-        holders in ``avoid`` (they just failed) only if there is no other."""
+        holders in ``avoid`` (they just failed) only if there is no other.
+        A restart of a superseded run is refused (:class:`StaleRun`) but with
+        ``supersede``: a result task Dask started is the live run."""
         cfg = self.ctx.config
         new, spared = await replan_tree(
             self.ctx.worker.scheduler,
@@ -565,6 +570,7 @@ class ReduceRoots:
             avoid,
             queue_timeout=cfg.queue_timeout,
             stall_timeout=cfg.stall_timeout,
+            supersede=supersede,
         )
         for lost, spare in spared.items():
             logger.warning(
