@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
-from benchmarks.failure_warm import WarmScenario, print_warm, run_warm  # noqa: E402
+from benchmarks.failure_warm import OBJECTS, WarmScenario, print_warm, run_warm  # noqa: E402
 from dask_hoplite.config import REDUCE_REPAIRS, resolve_repair  # noqa: E402
 
 SCENARIOS = (
@@ -79,12 +79,7 @@ from dask_hoplite.compat import worker_addresses
 addr, method, scenario, size, n, stagger, retire_after = sys.argv[1:8]
 size, n, stagger, retire_after = int(size), int(n), float(stagger), float(retire_after)
 
-def make(nbytes, seed):
-    return np.random.default_rng(seed).random(nbytes // 8)
-
-def fingerprint(x):
-    x = np.asarray(x)
-    return [int(x.size), float(x[:: max(1, x.size // 4096)].sum())]
+OBJECTS_SOURCE
 
 c = Client(addr, timeout=60)
 c.wait_for_workers(n, timeout=60)
@@ -247,7 +242,11 @@ def run_one(
     bound = size / ec.rate_bytes_per_s
     ec.start_dask(env=env, log_dir=log_dir)
     hosts = [ec.hosts[f"w{i}"].address for i in range(ec.n_workers)]
-    code = CLIENT.replace("HOSTS", repr(hosts)).replace("REDUCE_PARTS", str(parts))
+    code = (
+        CLIENT.replace("HOSTS", repr(hosts))
+        .replace("REDUCE_PARTS", str(parts))
+        .replace("OBJECTS_SOURCE", OBJECTS)
+    )
     stagger = min(0.2, 0.02 * bound)
     p = subprocess.Popen(
         [

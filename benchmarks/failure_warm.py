@@ -41,6 +41,18 @@ from benchmarks.emulation import EmulatedCluster
 #: Scenarios whose victim holds an input that is made again after the kill.
 RECOMPUTED = ("broadcast-source", "reduce", "reduce-parts")
 
+#: What the client scripts (here and :mod:`benchmarks.failure`) make and
+#: check, as source: they run as ``python -c``, so their tasks' functions
+#: travel to the workers by value.
+OBJECTS = r"""
+def make(nbytes, seed):
+    return np.random.default_rng(seed).random(nbytes // 8)
+
+def fingerprint(x):
+    x = np.asarray(x)
+    return [int(x.size), float(x[:: max(1, x.size // 4096)].sum())]
+"""
+
 # Runs inside the scheduler host's namespace. For each kill: prints one JSON
 # line for the failure-free run, then KILL when the killed run's collective
 # is requested, then its JSON line, then waits for GO on stdin (the driver
@@ -56,12 +68,7 @@ size, n, kills = int(size), int(n), int(kills)
 stagger, retire_after, parts = float(stagger), float(retire_after), int(parts)
 HOSTS = HOSTS_LIST
 
-def make(nbytes, seed):
-    return np.random.default_rng(seed).random(nbytes // 8)
-
-def fingerprint(x):
-    x = np.asarray(x)
-    return [int(x.size), float(x[:: max(1, x.size // 4096)].sum())]
+OBJECTS_SOURCE
 
 c = Client(addr, timeout=60)
 code = ""
@@ -208,7 +215,7 @@ def run_warm(
     argv = [
         sys.executable,
         "-c",
-        CLIENT.replace("HOSTS_LIST", repr(hosts)),
+        CLIENT.replace("HOSTS_LIST", repr(hosts)).replace("OBJECTS_SOURCE", OBJECTS),
         str(ec.scheduler_address),
         method,
         scenario,
