@@ -10,7 +10,7 @@ import uuid
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dask_hoplite.core.reduce_spec import RunName, run_name, run_rid, segment_rid
+from dask_hoplite.core.reduce_spec import LatestRuns, RunName, run_name, run_rid, segment_rid
 from dask_hoplite.scheduler.reduction_coordinator import ReductionCoordinator
 
 requests = st.builds(lambda: uuid.uuid4().hex) | st.sampled_from(["twice", "a-r1", "x-s2"])
@@ -60,3 +60,14 @@ def test_a_tree_restarted_alone_supersedes_only_itself():
     assert "stale" in str(c.superseded(segment_rid(run, 1)))
     assert c.superseded(segment_rid(run, 2)) is None
     assert c.superseded(run + "-0") is None
+
+
+def test_the_latest_runs_keep_the_highest_number_of_the_most_recent_trees():
+    latest = LatestRuns(limit=2)
+    latest.record("a", 3)
+    latest.record("a", 2)  # an earlier run seen late changes nothing
+    assert latest.get("a") == 3
+    latest.record("b", 1)
+    latest.record("a", 4)  # a is now the most recent
+    latest.record("c", 5)  # b, the least recent, is forgotten
+    assert (latest.get("a"), latest.get("b"), latest.get("c")) == (4, None, 5)

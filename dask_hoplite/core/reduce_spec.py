@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,27 @@ _RUN_ID = re.compile(rf"^(?P<request>.+?){RUN_TAG}(?P<n>\d+)(?P<suffix>(-s?\d+)*
 #: How many trees' latest run numbers the coordinator and each worker
 #: remember, to tell a stale run (the oldest are forgotten first).
 REMEMBERED_TREES = 10_000
+
+
+class LatestRuns:
+    """The latest run number seen of each tree (:attr:`RunName.tree`), for
+    the ``limit`` trees seen most recently: what the scheduler's coordinator
+    and each worker tell a stale run by."""
+
+    def __init__(self, limit: int = REMEMBERED_TREES) -> None:
+        self._runs: OrderedDict[str, int] = OrderedDict()
+        self._limit = limit
+
+    def get(self, tree: str) -> int | None:
+        """The latest run of ``tree`` seen (None: none is remembered)."""
+        return self._runs.get(tree)
+
+    def record(self, tree: str, number: int) -> None:
+        """Run ``number`` of ``tree`` was seen (an earlier one changes nothing)."""
+        self._runs[tree] = max(number, self._runs.get(tree, number))
+        self._runs.move_to_end(tree)
+        while len(self._runs) > self._limit:
+            self._runs.popitem(last=False)
 
 
 def run_rid(request: str, n: int) -> str:

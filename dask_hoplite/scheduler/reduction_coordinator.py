@@ -29,7 +29,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +38,7 @@ from dask_hoplite.core.allreduce_outputs import output_keys, output_roles, outpu
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.core.reduce_plan import PlanRequest, plan_reduction, relocated_spec, unknown_to
 from dask_hoplite.core.reduce_spec import (
-    REMEMBERED_TREES,
+    LatestRuns,
     ReduceSpec,
     run_name,
     run_rid,
@@ -70,7 +69,7 @@ class ReductionCoordinator:
         workers: Callable[[], Collection[str]],
         restrict: Callable[[dict[Key, Collection[str] | str | None]], None],
         counter: itertools.count[int] | None = None,
-        latest: OrderedDict[str, int] | None = None,
+        latest: LatestRuns | None = None,
     ) -> None:
         self.first_ready = first_ready
         self.network = network
@@ -83,7 +82,7 @@ class ReductionCoordinator:
         #: The latest run number given to each tree (a request, or a
         #: request's segment restarted on its own), the oldest forgotten
         #: first; kept when the plugin is registered again.
-        self.latest: OrderedDict[str, int] = OrderedDict() if latest is None else latest
+        self.latest = LatestRuns() if latest is None else latest
 
     def run_id(self, request: str) -> str:
         """A new run of request ``request``."""
@@ -93,10 +92,7 @@ class ReductionCoordinator:
         """The next run's number, for ``tree``: a request, or one tree of a
         request's run (a segment or a pytree leaf) restarted on its own."""
         n = next(self.counter)
-        self.latest[tree] = n
-        self.latest.move_to_end(tree)
-        while len(self.latest) > REMEMBERED_TREES:
-            self.latest.popitem(last=False)
+        self.latest.record(tree, n)
         return n
 
     def superseded(self, rid: str) -> str | None:
@@ -105,7 +101,7 @@ class ReductionCoordinator:
         run = run_name(rid)
         if run is None:
             return None
-        latest = max(self.latest.get(run.request, 0), self.latest.get(run.tree, 0))
+        latest = max(self.latest.get(run.request) or 0, self.latest.get(run.tree) or 0)
         if run.number < latest:
             return f"reduction run {rid} is stale: run {latest} of the same tree was planned since"
         return None

@@ -28,14 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 from dask.typing import Key
 
 from dask_hoplite.core.reduce_spec import (
-    REMEMBERED_TREES,
+    LatestRuns,
     is_input_patch_key,
     is_partial_key,
     partial_key,
@@ -64,7 +64,7 @@ class RunningReductions:
         self._released: dict[Key, asyncio.Future[None]] = {}
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self._aborted: deque[str] = deque(maxlen=1000)
-        self._latest: OrderedDict[str, int] = OrderedDict()
+        self._latest = LatestRuns()
         #: The roots running here, by reduction id.
         self.roots: dict[str, RootHandle] = {}
 
@@ -198,8 +198,8 @@ class RunningReductions:
         run = run_name(rid)
         if run is None:  # planned without the plugin: runs are not numbered
             return None
-        latest = self._latest.get(run.tree, run.number)
-        if run.number < latest:
+        latest = self._latest.get(run.tree)
+        if latest is not None and run.number < latest:
             return StaleRun(f"reduction run {rid} is stale: run {latest} of the same tree started")
         return None
 
@@ -223,10 +223,7 @@ class RunningReductions:
         latest = self._latest.get(run.tree)
         if starts and latest is not None and latest < run.number:
             self.abort(run.later(latest))
-        self._latest[run.tree] = max(run.number, latest or 0)
-        self._latest.move_to_end(run.tree)
-        while len(self._latest) > REMEMBERED_TREES:
-            self._latest.popitem(last=False)
+        self._latest.record(run.tree, run.number)
         return None
 
     def abort(self, rid: str) -> None:
