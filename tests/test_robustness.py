@@ -204,14 +204,32 @@ async def test_a_key_released_while_it_completes_a_partial_copy_leaves_no_copy(c
     x = c.submit(np.arange, 1_000_000, workers=[a.address], key="x")
     await x
     plugin = a.plugins["hoplite-worker"]
-    value = ObjectBuffer.from_frames("x", *await plugin.parts.ctx.serialize(a.data["x"]))
+    ctx = plugin.parts.ctx
+    value = ObjectBuffer.from_frames("x", *await ctx.serialize(a.data["x"]))
     partial = plugin.store.announce("x")
     partial.allocate(value.layout)
     partial.write(0, bytes(value.frames()[0])[:4096])  # a stream got this far, then died
+    # Hold the serialisation until Dask has released the key: the release
+    # must land while the value is being serialised, whatever the machine.
+    serialising, go_on = asyncio.Event(), asyncio.Event()
+    serialize = ctx.serialize
+
+    async def held_serialize(v):
+        serialising.set()
+        await go_on.wait()
+        return await serialize(v)
+
+    ctx.serialize = held_serialize
     completing = asyncio.create_task(plugin.parts.partial_copies._adopt_local("x", partial))
-    await asyncio.sleep(0)  # the value is being serialised now
-    x.release()  # nobody wants x any more (reaches the scheduler later)
-    a.handle_stimulus(FreeKeysEvent(keys=["x"], stimulus_id="test-release"))
+    await serialising.wait()
+    # Nobody wants x any more: the scheduler forgets it and frees it here.
+    # (Freeing it here first would race the client's release: the scheduler,
+    # told the only copy went while the client still held x, recomputes it,
+    # and the copy is rightly completed from that new value.)
+    x.release()
+    while "x" in s.tasks or "x" in a.data:
+        await asyncio.sleep(0.01)
+    go_on.set()
     await completing
     # Kept for a resume (or already expired on a slow machine), never completed.
     assert partial.state in (BufferState.RECEIVING, BufferState.FAILED)
