@@ -199,6 +199,9 @@ class Outcome:
     refusals: tuple[str, ...] = ()
     #: Receivers that fetched the key in byte ranges.
     ranged: int = 0
+    #: Bytes the victim's NIC received while the scenario ran: a worker that
+    #: retires or dies stops taking its sender's upload.
+    victim_rx_bytes: int = 0
 
     @property
     def x_bound(self) -> float:
@@ -248,6 +251,8 @@ def run_one(
         .replace("OBJECTS_SOURCE", OBJECTS)
     )
     stagger = min(0.2, 0.02 * bound)
+    victim = victim_of(scenario)
+    rx0 = ec.nic_bytes(victim)[1]
     p = subprocess.Popen(
         [
             *ec.exec_prefix("sched"),
@@ -268,6 +273,7 @@ def run_one(
         env={**os.environ, **(env or {})},
     )
     note = ""
+    victim_rx = 0
     try:
         assert p.stdout is not None
         line = p.stdout.readline()
@@ -275,8 +281,9 @@ def run_one(
             raise RuntimeError(f"client did not start: {line!r} {p.stderr.read()[-3000:]}")
         if kill and scenario != "broadcast-retire":  # the client retires w1 itself
             time.sleep(bound / 2 if kill_after is None else kill_after)
-            ec.signal(victim_of(scenario), signal.SIGKILL)
+            ec.signal(victim, signal.SIGKILL)
         out_s, err_s = p.communicate(timeout=timeout)
+        victim_rx = ec.nic_bytes(victim)[1] - rx0
         if p.returncode != 0:
             raise RuntimeError(f"client failed ({p.returncode}): {err_s[-3000:]}")
         out = json.loads(out_s.strip().splitlines()[-1])
@@ -311,6 +318,7 @@ def run_one(
         parts if scenario == "reduce-parts" else 0,
         tuple(out.get("refusals", ())),
         int(out.get("ranged", 0)),
+        victim_rx,
     )
 
 

@@ -9,6 +9,7 @@ from collections import Counter
 
 import numpy as np
 from distributed import Event, Worker, wait
+from distributed.utils import wait_for
 from distributed.utils_test import gen_cluster
 
 from dask_hoplite import Hoplite
@@ -195,9 +196,9 @@ async def test_replicate_and_scatter_broadcast_complete_with_the_amm_on(c, s, *w
     await c.register_plugin(Hoplite())
     x = c.submit(np.arange, 300_000, workers=[workers[0].address])
     await wait(x)
-    await asyncio.wait_for(c.replicate([x]), 60)
+    await wait_for(c.replicate([x]), 60)
     assert sum(stats(workers[1:], "keys-received")) == 3
-    [y] = await asyncio.wait_for(c.scatter([np.ones(300_000)], broadcast=True), 60)
+    [y] = await wait_for(c.scatter([np.ones(300_000)], broadcast=True), 60)
     assert sum(stats(workers, "keys-received")) == 6
     assert await c.submit(checksum, y) == 300_000.0
 

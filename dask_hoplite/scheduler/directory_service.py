@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
+from distributed.utils import wait_for
 
 from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
@@ -234,11 +235,11 @@ class DirectoryService:
         try:
             if self.directory.waits_for_plan(key, receiver):
                 try:
-                    return await asyncio.wait_for(asyncio.shield(fut), self.config.plan_wait)
+                    return await wait_for(asyncio.shield(fut), self.config.plan_wait)
                 except asyncio.TimeoutError:
                     logger.debug("%s stops waiting for its planned sender of %r", receiver, key)
                     self._act(self.directory.unplan(key, receiver))
-            return await asyncio.wait_for(fut, self.config.queue_timeout)
+            return await wait_for(fut, self.config.queue_timeout)
         except asyncio.TimeoutError:
             logger.info("request of %s for %r timed out in the queue", receiver, key)
             self.directory.cancel_request(key, receiver)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
+from distributed.utils import wait_for
 
 from dask_hoplite.core.network_model import NetworkModel
 
@@ -73,7 +74,7 @@ class FirstReady:
                 if answer is not None:
                     return answer
                 try:
-                    await asyncio.wait_for(event.wait(), self.recheck)
+                    await wait_for(event.wait(), self.recheck)
                 except asyncio.TimeoutError:
                     pass
         finally:

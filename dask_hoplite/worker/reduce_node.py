@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 from distributed.protocol import serialize
+from distributed.utils import wait_for
 
 from dask_hoplite.core.reduce_ops import ReduceOp, resolve_op
 from dask_hoplite.core.reduce_spec import ReduceSpec, input_range, select_field
@@ -211,7 +212,7 @@ class ReduceNodes:
 
     async def _release(self, address: str, rid: str, slots: list[int]) -> None:
         try:
-            await asyncio.wait_for(
+            await wait_for(
                 self.ctx.worker.rpc(address).hoplite_reduce_release(rid=rid, slots=slots),
                 self.ctx.config.stall_timeout,
             )
@@ -223,7 +224,7 @@ class ReduceNodes:
         within the stall timeout counts as no)."""
         try:
             return bool(
-                await asyncio.wait_for(
+                await wait_for(
                     self.ctx.worker.rpc(root).hoplite_reduce_running(rid=rid),
                     self.ctx.config.stall_timeout,
                 )
@@ -250,7 +251,7 @@ class ReduceNodes:
             error,
         )
         try:
-            reply = await asyncio.wait_for(
+            reply = await wait_for(
                 self.ctx.worker.rpc(root).hoplite_reduce_replace(
                     rid=spec.rid, slot=slot, offset=offset, dead=dead
                 ),

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 from dask.typing import Key
+from distributed.utils import wait_for
 
 from dask_hoplite.core.reduce_spec import (
     LatestRuns,
@@ -83,7 +84,7 @@ class RunningReductions:
             return False
         fut = self._announced.setdefault(key, asyncio.get_running_loop().create_future())
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.ctx.config.stall_timeout)
+            await wait_for(asyncio.shield(fut), self.ctx.config.stall_timeout)
             return True
         except asyncio.TimeoutError:
             return False
@@ -159,7 +160,7 @@ class RunningReductions:
             yield
             while hold:
                 try:
-                    await asyncio.wait_for(asyncio.shield(done), stall)
+                    await wait_for(asyncio.shield(done), stall)
                     break
                 except asyncio.TimeoutError:
                     if alive is None:

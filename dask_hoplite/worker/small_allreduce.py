@@ -17,7 +17,7 @@ from typing import Any
 from dask.typing import Key
 from distributed.comm.core import CommClosedError
 from distributed.protocol import to_serialize
-from distributed.utils import offload
+from distributed.utils import offload, wait_for
 
 from dask_hoplite.core.reduce_spec import reduce_values
 from dask_hoplite.worker.context import FetchParts, WorkerContext, secede_coroutine
@@ -59,7 +59,7 @@ class SmallAllreduce:
             waiters = self._waiters.setdefault(key, [])
             waiters.append(fut)
             try:
-                await asyncio.wait_for(fut, self.ctx.config.stall_timeout)
+                await wait_for(fut, self.ctx.config.stall_timeout)
             except asyncio.TimeoutError:
                 ts = w.state.tasks.get(key)
                 pending = ts is not None and ts.state not in ("error", "released", "forgotten")
@@ -122,7 +122,7 @@ class SmallAllreduce:
                 reply["value"] = reply["value"].data  # this worker's object, no copy
             return reply
         try:
-            return await asyncio.wait_for(
+            return await wait_for(
                 self.ctx.worker.rpc(holder).hoplite_result(key=key),
                 2 * self.ctx.config.stall_timeout,
             )

@@ -22,6 +22,7 @@ from typing import Any
 from distributed.comm.core import Comm
 from distributed.core import ConnectionPool
 from distributed.protocol import to_serialize
+from distributed.utils import wait_for
 from tornado.iostream import IOStream
 
 from dask_hoplite.core.protocol import (
@@ -48,7 +49,7 @@ def raw_stream(comm: Comm) -> IOStream | None:
 
 async def _bounded(aw: Any, timeout: float, what: str, peer: str) -> Any:
     try:
-        return await asyncio.wait_for(aw, timeout)
+        return await wait_for(aw, timeout)
     except asyncio.TimeoutError:
         raise StreamStalled(f"no {what} from/to {peer} for {timeout:g}s") from None
 
@@ -127,7 +128,7 @@ async def wait_progress(buf: ObjectBuffer, threshold: int, timeout: float) -> No
 
     buf.when(threshold, wake)
     try:
-        await asyncio.wait_for(fut, timeout)
+        await wait_for(fut, timeout)
     except asyncio.TimeoutError:
         raise StreamStalled(
             f"{buf.key!r} made no progress past byte {threshold} for {timeout:g}s"
