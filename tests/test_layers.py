@@ -49,6 +49,7 @@ LAYERS: dict[str, list[str]] = {
         "dask_hoplite.scheduler_calls",
         "dask_hoplite.scheduler.reduction_coordinator",
         "dask_hoplite.scheduler.first_ready",
+        "dask_hoplite.scheduler.gc_paused",
         "dask_hoplite.scheduler.spares_used",
         "dask_hoplite.scheduler.cancellation",
         "dask_hoplite.scheduler.collective_log",

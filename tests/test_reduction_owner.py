@@ -10,7 +10,7 @@ COORDINATOR = "dask_hoplite.scheduler.reduction_coordinator:ReductionCoordinator
 
 
 def test_the_planner_is_called_by_the_coordinator_only():
-    assert callers("plan_reduction") == {f"{COORDINATOR}.plan_reduction"}
+    assert callers("plan_reduction") == {f"{COORDINATOR}._plan"}
 
 
 def test_a_broken_tree_is_placed_again_by_the_coordinator_only():

@@ -11,6 +11,8 @@ only wires the rest into the scheduler and takes it out again:
 - :mod:`.reduction_coordinator`: every reduction run's plan, made here (a
   reduce, an allreduce, a graph aggregate, a fallback, a broken tree's restart);
 - :mod:`.first_ready`: the first ``k`` of a reduction's inputs to be ready;
+- :mod:`.gc_paused`: no garbage collection while the loop plans (its
+  temporaries die young instead of bringing a full collection closer);
 - :mod:`.spares_used`: which inputs a result holds when spares replaced lost ones;
 - :mod:`.cancellation`: a collective task cancelled while it runs is stopped on its worker;
 - :mod:`.collective_log`: what the collectives did, by kind and outcome;

@@ -24,6 +24,7 @@ from dask.typing import Key
 from distributed.utils import wait_for
 
 from dask_hoplite.core.network_model import NetworkModel
+from dask_hoplite.scheduler.gc_paused import gc_paused
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskState
@@ -59,32 +60,39 @@ class FirstReady:
         for event in events:
             event.set()
 
+    def now(self, keys: list[Key], k: int) -> dict[str, Any] | None:
+        """:meth:`first_ready`'s answer if it needs no wait (None: it does)."""
+        return self._answer(keys, k)
+
     async def first_ready(self, keys: list[Key], k: int) -> dict[str, Any]:
         """When ``k`` of ``keys`` are in memory: ``{"chosen", "who_has",
         "nbytes", "network"}``; when so many cannot come back (erred,
         forgotten, unknown) that ``k`` never will be: ``{"failed": key,
         "state": its state or None}`` of the first of those."""
         event = asyncio.Event()
-        for key in keys:
-            self._watchers.setdefault(key, set()).add(event)
         try:
-            while True:
-                event.clear()
+            with gc_paused():  # 1,024 watchers and the answer: no collection
+                for key in keys:
+                    self._watchers.setdefault(key, set()).add(event)
                 answer = self._answer(keys, k)
-                if answer is not None:
-                    return answer
+            while answer is None:
+                event.clear()
                 try:
                     await wait_for(event.wait(), self.recheck)
                 except asyncio.TimeoutError:
                     pass
+                with gc_paused():
+                    answer = self._answer(keys, k)
+            return answer
         finally:
-            for key in keys:
-                watchers = self._watchers.get(key)
-                if watchers is not None:
-                    watchers.discard(event)
-                    if not watchers:
-                        del self._watchers[key]
-                        self._ready_at.pop(key, None)
+            with gc_paused():
+                for key in keys:
+                    watchers = self._watchers.get(key)
+                    if watchers is not None:
+                        watchers.discard(event)
+                        if not watchers:
+                            del self._watchers[key]
+                            self._ready_at.pop(key, None)
 
     def _answer(self, keys: list[Key], k: int) -> dict[str, Any] | None:
         ready: list[tuple[int, int, Key]] = []

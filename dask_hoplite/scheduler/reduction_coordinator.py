@@ -46,6 +46,7 @@ from dask_hoplite.core.reduce_spec import (
 )
 from dask_hoplite.errors import ReduceInputLost
 from dask_hoplite.scheduler.first_ready import FirstReady
+from dask_hoplite.scheduler.gc_paused import gc_paused
 from dask_hoplite.scheduler_calls import wait_for_holders
 
 if TYPE_CHECKING:
@@ -126,18 +127,40 @@ class ReductionCoordinator:
         ``"outputs"``, ``"workers"``); ``{"error": text}`` for a request that
         names no worker of the cluster; ``{"failed": key, "state", "exception"}``
         when so many inputs cannot come back that ``k`` never will."""
-        req = PlanRequest.from_msg(request)
-        error = None if req.to is None else unknown_to(req.to, self._workers())
-        if error is not None:
-            return {"error": error}
-        if who_has is None:
-            ready = await self.first_ready.first_ready(list(req.inputs), req.k)
-            if "failed" in ready:
-                return ready
-            chosen, who_has, nbytes = ready["chosen"], ready["who_has"], ready["nbytes"]
-        else:
-            chosen = list(req.inputs)
-        assert nbytes is not None, "who_has goes with nbytes"
+        # The synchronous stretches run with collection paused
+        # (:mod:`~dask_hoplite.scheduler.gc_paused`): with every input ready,
+        # the whole call is one of them.
+        with gc_paused():
+            req = PlanRequest.from_msg(request)
+            error = None if req.to is None else unknown_to(req.to, self._workers())
+            if error is not None:
+                return {"error": error}
+            if who_has is not None:
+                assert nbytes is not None, "who_has goes with nbytes"
+                return self._plan(req, list(req.inputs), who_has, nbytes)
+            ready = self.first_ready.now(list(req.inputs), req.k)
+            if ready is not None:
+                return self._plan_ready(req, ready)
+        ready = await self.first_ready.first_ready(list(req.inputs), req.k)
+        with gc_paused():
+            return self._plan_ready(req, ready)
+
+    def _plan_ready(self, req: PlanRequest, ready: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`_plan` over :meth:`FirstReady.first_ready`'s answer (its
+        ``failed`` answer as it is)."""
+        if "failed" in ready:
+            return ready
+        return self._plan(req, ready["chosen"], ready["who_has"], ready["nbytes"])
+
+    def _plan(
+        self,
+        req: PlanRequest,
+        chosen: list[Key],
+        who_has: dict[Key, list[str]],
+        nbytes: dict[Key, int],
+    ) -> dict[str, Any]:
+        """A new run of ``req`` over ``chosen``, its plan's message, and the
+        result task (or an allreduce's outputs) pinned where the plan says."""
         plan = plan_reduction(
             dataclasses.replace(req, rid=self.run_id(req.rid)),
             chosen,
