@@ -1,7 +1,7 @@
 """Reversible replacements of Dask internals on a live scheduler or worker.
 
 Each override of the scheduler part (:mod:`dask_hoplite.scheduler.replicate`,
-:mod:`~dask_hoplite.scheduler.graph_rewrite`, :mod:`~dask_hoplite.scheduler.amm`)
+:mod:`~dask_hoplite.graph_reductions.scheduler_hook`, :mod:`~dask_hoplite.scheduler.amm`)
 and of the worker part (``Worker.gather_dep``, the ``gather`` handler, the
 peer handlers, ``Worker.handle_stimulus``) replaces an attribute or a handler
 entry of an object it does not own. Undoing that by hand invites subtle

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dask_hoplite as dh
-from dask_hoplite.core.aggregates import recognize
-from dask_hoplite.core.graph_reduce import GraphReduce, rewrite_graph
+from dask_hoplite.graph_reductions.recognize import recognize
+from dask_hoplite.graph_reductions.rewrite import GraphReduce, rewrite_graph
 
 OPS = ["sum", "prod", "min", "max", "mean"]
 

@@ -24,9 +24,11 @@ events, returning decisions, with no sockets and no event loop inside.
 * :mod:`~dask_hoplite.core.protocol`: the block-stream messages and flow-control window;
 * :mod:`~dask_hoplite.core.store`: the block store's buffers;
 * :mod:`~dask_hoplite.core.buffer_pool`: recycled receive memory;
-* :mod:`~dask_hoplite.core.network_model`: bandwidth and latency estimates;
-* :mod:`~dask_hoplite.core.aggregates`: recognising dask.array/bag aggregate tasks;
-* :mod:`~dask_hoplite.core.graph_reduce`: the dask.array/bag aggregate rewrite.
+* :mod:`~dask_hoplite.core.network_model`: bandwidth and latency estimates.
+
+The pure halves of graph reductions (recognising dask.array/bag aggregates
+and rewriting them) live with their scheduler and worker sides in
+:mod:`dask_hoplite.graph_reductions`.
 
 ``tests/test_module_maps.py`` checks that this list names every module here.
 

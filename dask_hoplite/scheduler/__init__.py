@@ -20,10 +20,10 @@ only wires the rest into the scheduler and takes it out again:
 - :mod:`.peers`: which workers run which features (an outsider never sends);
 - :mod:`.prompt_stealing`: a task needing a large key, queued behind a busy
   thread, moves to an idle worker at once (Dask's steal, sooner);
-- :mod:`.replicate`, :mod:`.graph_rewrite`, :mod:`.amm`: one override of a Dask
-  internal each (``replicate``, ``_create_taskstate_from_graph``, the Active
-  Memory Manager's ``_find_dropper``), each undone exactly by its ``restore``
-  (with :mod:`dask_hoplite.patching`).
+- :mod:`.replicate`, :mod:`.amm`: one override of a Dask internal each
+  (``replicate``, the Active Memory Manager's ``_find_dropper``), each undone
+  exactly by its ``restore`` (with :mod:`dask_hoplite.patching`); the graph
+  entry point's override is in :mod:`dask_hoplite.graph_reductions`.
 
 ``tests/test_module_maps.py`` checks that this list names every module here.
 """

@@ -44,13 +44,13 @@ from dask_hoplite.features import (
     FeatureSet,
     announce,
 )
+from dask_hoplite.graph_reductions.scheduler_hook import GraphRewrite
 from dask_hoplite.patching import Override
 from dask_hoplite.scheduler.amm import NeededReplicas, StreamDropGuard
 from dask_hoplite.scheduler.cancellation import CollectiveCancels
 from dask_hoplite.scheduler.collective_log import CollectiveLog
 from dask_hoplite.scheduler.directory_service import DirectoryService
 from dask_hoplite.scheduler.first_ready import FirstReady
-from dask_hoplite.scheduler.graph_rewrite import GraphRewrite
 from dask_hoplite.scheduler.measured_sizes import MeasuredSizesService
 from dask_hoplite.scheduler.metrics import SCHEDULER_SERIES, SchedulerSource
 from dask_hoplite.scheduler.peers import Peers

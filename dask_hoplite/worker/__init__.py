@@ -23,7 +23,6 @@
 * :mod:`~dask_hoplite.worker.planned_outputs`: ``allreduce``'s and ``allgather``'s
   planning task (places one output per input on its worker) and output tasks;
 * :mod:`~dask_hoplite.worker.allreduce` / :mod:`~dask_hoplite.worker.small_allreduce`;
-* :mod:`~dask_hoplite.worker.aggregate`: dask.array/bag aggregates as reduce trees;
 * :mod:`~dask_hoplite.worker.tasks`: the functions the collectives submit as Dask tasks.
 
 ``tests/test_module_maps.py`` checks that this list names every module here.

@@ -45,8 +45,8 @@ from dask_hoplite.features import (
     FeatureSet,
     announce,
 )
+from dask_hoplite.graph_reductions.worker_takeover import AggregateTakeover
 from dask_hoplite.patching import AttributePatch, ItemPatch
-from dask_hoplite.worker.aggregate import AggregateTakeover
 from dask_hoplite.worker.allreduce import Allreduce
 from dask_hoplite.worker.context import PLUGIN_NAME, WorkerContext
 from dask_hoplite.worker.measuring import SizeMeasuring

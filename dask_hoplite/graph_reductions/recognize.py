@@ -7,7 +7,7 @@ sum, prod, min, max (or ``mean_combine`` / ``mean_agg`` on ``{"n", "total"}``
 dicts), and ``x @ y`` / ``tensordot`` end in ``_chunk_sum(parts)``, an
 elementwise add of parts with extent 1 along the contracted axis; dask.bag builds ``empty_safe_aggregate(aggregate, parts, is_last)``
 with ``aggregate`` a fold by a binary operator of :data:`BAG_BINOPS` or the
-builtin ``sum``. The rewrite that uses these is :mod:`dask_hoplite.core.graph_reduce`.
+builtin ``sum``. The rewrite that uses these is :mod:`dask_hoplite.graph_reductions.rewrite`.
 """
 
 from __future__ import annotations

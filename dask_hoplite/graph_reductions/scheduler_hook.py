@@ -4,7 +4,7 @@ hoplite reductions, without the user changing their code.
 A submitted graph reaches ``Scheduler._create_taskstate_from_graph`` after all
 client- and scheduler-side optimisation and before any task state exists: the
 last point where the graph is plain data. This override rewrites it there with
-:func:`dask_hoplite.core.graph_reduce.rewrite_graph` (which decides what is an
+:func:`dask_hoplite.graph_reductions.rewrite.rewrite_graph` (which decides what is an
 aggregate worth rewriting) and then calls Dask's own method. A graph the
 rewrite fails on runs as submitted. Installed only when
 ``hoplite.array.reductions`` or ``hoplite.bag.reductions`` is on.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_hoplite.config import HopliteConfig
-from dask_hoplite.core.graph_reduce import rewrite_graph
+from dask_hoplite.graph_reductions.rewrite import rewrite_graph
 from dask_hoplite.patching import AttributePatch
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class GraphRewrite:
         """The scheduler's entry point for a submitted graph (after all
         optimisation, before any task state exists), with the aggregates of
         dask.array reductions and dask.bag folds rewritten into pipelined
-        reductions (see :mod:`dask_hoplite.core.graph_reduce`)."""
+        reductions (see :mod:`dask_hoplite.graph_reductions.rewrite`)."""
         assert self._original is not None
         try:
             dsk, n = rewrite_graph(

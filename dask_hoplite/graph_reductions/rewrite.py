@@ -10,7 +10,7 @@ outputs keep the reduced axes with extent 1, then a tree of *aggregate* tasks
 that tree is a whole-object fetch and each level waits for the one below.
 
 Why this integration point (the scheduler's graph, see
-:class:`dask_hoplite.scheduler.graph_rewrite.GraphRewrite`):
+:class:`dask_hoplite.graph_reductions.scheduler_hook.GraphRewrite`):
 
 * Annotations and task names do not survive low-level fusion; the *functions* of
   the aggregate tasks do, and the scheduler sees the graph after all client- and
@@ -24,7 +24,7 @@ Why this integration point (the scheduler's graph, see
   correct on its own (a worker without the plugin just runs it); the worker
   part recognises it when the task arrives and, when the parts are large,
   reduces them where they live with a pipelined tree instead of fetching them
-  (:class:`dask_hoplite.worker.aggregate.AggregateTakeover`).
+  (:class:`dask_hoplite.graph_reductions.worker_takeover.AggregateTakeover`).
 
 Rewrite rules (:func:`rewrite_graph`, pure: a dict of tasks in, a dict out):
 
@@ -40,7 +40,7 @@ dask.bag (``Bag.fold`` / ``Bag.reduction`` / ``Bag.sum``) builds the same shape:
 per-partition tasks, then a ``split_every`` tree (8 by default) of
 ``empty_safe_aggregate(aggregate, parts, is_last)`` tasks. An aggregate is
 recognised when it folds its parts with a binary operator that is elementwise,
-associative and commutative on numpy arrays (:data:`~dask_hoplite.core.aggregates.BAG_BINOPS`: ``operator.add``,
+associative and commutative on numpy arrays (:data:`~dask_hoplite.graph_reductions.recognize.BAG_BINOPS`: ``operator.add``,
 ``np.add``, ``np.maximum``, ...), written as ``fold(binop)`` /
 ``fold(binop, combine)`` builds it, or is the builtin ``sum`` of ``Bag.sum()``.
 The partial results become inputs of a reduce tree when they turn out to be
@@ -60,7 +60,7 @@ import numpy as np
 from dask._task_spec import DataNode, Task, TaskRef
 from dask.typing import Key
 
-from dask_hoplite.core.aggregates import Aggregate, recognize
+from dask_hoplite.graph_reductions.recognize import Aggregate, recognize
 
 try:
     from dask._task_spec import _execute_subgraph

@@ -1,7 +1,7 @@
 """The takeover of dask.array / dask.bag aggregate tasks on the worker.
 
 The scheduler part rewrites the aggregates of array reductions and bag folds
-into tasks whose function is a :class:`~dask_hoplite.core.graph_reduce.GraphReduce`
+into tasks whose function is a :class:`~dask_hoplite.graph_reductions.rewrite.GraphReduce`
 (see that module). When such a task arrives here with large parts held
 elsewhere, :class:`AggregateTakeover` rewrites the ``ComputeTaskEvent`` before
 Dask's state machine sees it: the task no longer depends on fetching its parts
@@ -29,10 +29,10 @@ from distributed.worker import Worker
 from distributed.worker_state_machine import StateMachineEvent
 
 from dask_hoplite.compat import private
-from dask_hoplite.core.graph_reduce import GraphReduce
 from dask_hoplite.core.reduce_plan import PlanRequest, Tree, is_small, plan_from_msg
 from dask_hoplite.core.reduce_spec import check_input, select_field
 from dask_hoplite.errors import ReduceInputError
+from dask_hoplite.graph_reductions.rewrite import GraphReduce
 from dask_hoplite.patching import AttributePatch
 from dask_hoplite.scheduler_calls import request_plan
 from dask_hoplite.worker.context import FetchParts, WorkerContext, all_or_cancel, run_on_loop
