@@ -48,9 +48,7 @@ from distributed import Future
 from dask_hoplite.collectives.futures import (
     INPUTS_ATTR,
     as_futures,
-    as_list,
     client_of,
-    identity,
     keep_until_done,
     until_done,
 )
@@ -237,7 +235,7 @@ def _broadcast_to(client: Any, f: Future, workers: list[str], parts: int | None)
     copies = []
     for w in workers:
         with dask.annotate(workers=[w], allow_other_workers=False):
-            copies.append(delayed(identity, pure=False)(f))
+            copies.append(delayed(tasks.broadcast_copy, pure=False)(f))
     futures: list[Future] = client.compute(copies, optimize_graph=False)
     return futures
 
@@ -246,7 +244,9 @@ def gather(inputs: Sequence[Any], to: str) -> Future:
     """A Future of the list of ``inputs``, on worker ``to``."""
     client = client_of(inputs)
     futures = as_futures(client, inputs)
-    return client.submit(as_list, *futures, workers=[to], allow_other_workers=False, pure=False)
+    return client.submit(
+        tasks.gathered_list, *futures, workers=[to], allow_other_workers=False, pure=False
+    )
 
 
 def _outputs_request(inputs: Sequence[Any], op: str, allreduce: bool) -> tuple[Any, ...]:

@@ -68,11 +68,3 @@ async def until_done(future: Future) -> None:
     done = asyncio.Event()
     future.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
     await done.wait()
-
-
-def identity(x: Any) -> Any:
-    return x
-
-
-def as_list(*xs: Any) -> list[Any]:
-    return list(xs)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from distributed import Client, Future
 
-from dask_hoplite.core import object_parts
 from dask_hoplite.worker import tasks
 
 
@@ -20,9 +19,9 @@ def split_broadcast(client: Client, f: Future, workers: list[str], parts: int) -
     """Cut ``f`` where it is, announce the parts' trees to the directory (a
     task, so that nothing here waits), then join the parts on every worker
     once the announcement is made."""
-    flat = client.submit(object_parts.flatten, f, pure=False)
-    meta = client.submit(object_parts.meta_of, f, pure=False)
-    cut = [client.submit(object_parts.part_of, flat, j, parts, pure=False) for j in range(parts)]
+    flat = client.submit(tasks.split_flat, f, pure=False)
+    meta = client.submit(tasks.split_meta, f, pure=False)
+    cut = [client.submit(tasks.split_part, flat, j, parts, pure=False) for j in range(parts)]
     announced = client.submit(tasks.announce_split, [p.key for p in cut], list(workers), pure=False)
     return [
         client.submit(

@@ -4,7 +4,10 @@
 finds the worker it runs on and hands over to the module that does the work:
 a reduction's planning and result tasks (:mod:`.planned_reduce`), an
 allreduce's or allgather's planning task and outputs (:mod:`.planned_outputs`),
-a split broadcast's announcement and copies.
+a split broadcast's cutting, announcement and copies
+(:mod:`dask_hoplite.core.object_parts`), a broadcast's copies and a gather's
+list. Every function a collective submits is here, so that a task's key
+prefix names what it does, whatever the collective.
 """
 
 from __future__ import annotations
@@ -61,6 +64,32 @@ def gathered(_placed: Any, *values: Any) -> list[Any]:
     planning task's result, a dependency only so that this task waits for
     its place)."""
     return list(values)
+
+
+def broadcast_copy(x: Any) -> Any:
+    """A broadcast's copy on the worker it runs on: the object, which Dask
+    (through hoplite's trees, where registered) fetches there."""
+    return x
+
+
+def gathered_list(*xs: Any) -> list[Any]:
+    """A gather's result: its inputs as one list, on the worker asked for."""
+    return list(xs)
+
+
+def split_flat(x: Any) -> Any:
+    """A split broadcast's object as one flat array, where it is."""
+    return object_parts.flatten(x)
+
+
+def split_meta(x: Any) -> object_parts.Meta:
+    """How to turn a split broadcast's joined parts back into its object."""
+    return object_parts.meta_of(x)
+
+
+def split_part(flat: Any, j: int, parts: int) -> Any:
+    """Part ``j`` of a split broadcast's flat array, where it is."""
+    return object_parts.part_of(flat, j, parts)
 
 
 async def announce_split(keys: list[Any], receivers: list[str]) -> None:
