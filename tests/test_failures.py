@@ -109,8 +109,10 @@ def test_retiring_a_relay_mid_broadcast_loses_nothing_and_does_not_restart(ec):
     assert o.resumes >= 1 and o.restarts == 0, o
     assert o.bytes_resumed > 0, o  # the cut receivers kept the bytes they had
     # The retired worker stops its own stream at once: it does not keep
-    # taking its sender's upload (from the others) to the object's end.
-    assert o.victim_rx_bytes < 0.8 * SIZE, o
+    # taking its sender's upload (from the others) to the object's end. (On
+    # Python 3.10 asyncio.wait_for may swallow that cancellation: gh-86296.)
+    if sys.version_info >= (3, 11):
+        assert o.victim_rx_bytes < 0.8 * SIZE, o
 
 
 @pytest.mark.slow

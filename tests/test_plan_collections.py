@@ -19,11 +19,17 @@ from dask_hoplite import Hoplite
 from dask_hoplite.core.reduce_plan import PlanRequest
 from dask_hoplite.scheduler.gc_paused import gc_paused
 
+#: The coordinator's and FirstReady's functions that run wholly inside the
+#: pause. (When the pause ends, the next allocation may run a young collection
+#: of what is still alive then, the answer: that is no part of planning.)
+PLANNING = {"_plan_ready", "_plan", "now", "_answer"}
+
 
 def _planning() -> bool:
     """Whether the current stack is inside the scheduler's planning."""
     return any(
-        "dask_hoplite/core/" in f.filename or f.name == "first_ready"
+        "dask_hoplite/core/" in f.filename
+        or ("dask_hoplite/scheduler/" in f.filename and f.name in PLANNING)
         for f in traceback.extract_stack()
     )
 

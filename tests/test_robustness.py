@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 from distributed.comm import connect
+from distributed.utils import wait_for
 from distributed.utils_test import gen_cluster, gen_test
 from distributed.worker_state_machine import FreeKeysEvent
 
@@ -222,14 +223,18 @@ async def test_a_key_released_while_it_completes_a_partial_copy_leaves_no_copy(c
 
     ctx.serialize = held_serialize
     completing = asyncio.create_task(plugin.parts.partial_copies._adopt_local("x", partial))
-    await serialising.wait()
+    await wait_for(serialising.wait(), 10)
     # Nobody wants x any more: the scheduler forgets it and frees it here.
     # (Freeing it here first would race the client's release: the scheduler,
     # told the only copy went while the client still held x, recomputes it,
     # and the copy is rightly completed from that new value.)
     x.release()
-    while "x" in s.tasks or "x" in a.data:
-        await asyncio.sleep(0.01)
+
+    async def forgotten():
+        while "x" in s.tasks or "x" in a.data:
+            await asyncio.sleep(0.01)
+
+    await wait_for(forgotten(), 10)
     go_on.set()
     await completing
     # Kept for a resume (or already expired on a slow machine), never completed.

@@ -1,7 +1,7 @@
 """Cutting an object into parts and joining them again, for the split-tree
 broadcast (:func:`dask_hoplite.broadcast` with ``parts``).
 
-Pure functions, run as Dask tasks. A C-contiguous NumPy array is cut without
+Pure functions, run as Dask tasks through :mod:`dask_hoplite.worker.tasks`. A C-contiguous NumPy array is cut without
 a copy (the parts are views of its flat form); any other object is pickled
 once and its bytes are cut. Joining copies the parts into one new object.
 """

@@ -237,10 +237,17 @@ class DirectoryService:
                 try:
                     return await wait_for(asyncio.shield(fut), self.config.plan_wait)
                 except asyncio.TimeoutError:
+                    if fut.done():  # decided in the very turn the wait ran out
+                        return fut.result()
                     logger.debug("%s stops waiting for its planned sender of %r", receiver, key)
                     self._act(self.directory.unplan(key, receiver))
             return await wait_for(fut, self.config.queue_timeout)
         except asyncio.TimeoutError:
+            # The timeout cancels the wait even when the decision came in the
+            # same turn: an assignment must reach its receiver, or its
+            # transfer would hold its sender's slot for good.
+            if fut.done() and not fut.cancelled():
+                return fut.result()
             logger.info("request of %s for %r timed out in the queue", receiver, key)
             self.directory.cancel_request(key, receiver)
             return None

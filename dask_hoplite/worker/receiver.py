@@ -124,7 +124,7 @@ class Receiver:
         directory, or no sender could finish the stream)."""
         while key in self.fetching:  # another local caller is fetching it
             logger.debug("%r: waiting for the fetch already running here", key)
-            await self.fetching[key]
+            await asyncio.shield(self.fetching[key])  # our cancellation is not theirs
         buf = self.ctx.store.get(key)
         if buf is not None and buf.state is BufferState.COMPLETE:
             self.ctx.count("local-hits")

@@ -87,7 +87,7 @@ class RunningReductions:
             await wait_for(asyncio.shield(fut), self.ctx.config.stall_timeout)
             return True
         except asyncio.TimeoutError:
-            return False
+            return fut.done()  # announced in the very turn the wait ran out
         finally:
             if self._announced.get(key) is fut and fut.done():
                 del self._announced[key]

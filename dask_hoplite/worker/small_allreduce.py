@@ -61,9 +61,11 @@ class SmallAllreduce:
             try:
                 await wait_for(fut, self.ctx.config.stall_timeout)
             except asyncio.TimeoutError:
-                ts = w.state.tasks.get(key)
-                pending = ts is not None and ts.state not in ("error", "released", "forgotten")
-                return {"status": "wait" if pending else "missing"}
+                # (Woken in the very turn the wait ran out: answer as woken.)
+                if not fut.done() or fut.cancelled():
+                    ts = w.state.tasks.get(key)
+                    pending = ts is not None and ts.state not in ("error", "released", "forgotten")
+                    return {"status": "wait" if pending else "missing"}
             finally:
                 if fut in waiters:
                     waiters.remove(fut)
