@@ -26,6 +26,7 @@ LAYERS: dict[str, list[str]] = {
         "dask_hoplite.features",
         "dask_hoplite.compat",
         "dask_hoplite.patching",
+        "dask_hoplite.timeouts",
         "dask_hoplite.logs",
         "dask_hoplite.prometheus",
         "dask_hoplite.worker",

@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
-from distributed.utils import wait_for
 
 from dask_hoplite._version import __version__
 from dask_hoplite.config import HopliteConfig
@@ -44,6 +43,7 @@ from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.core.protocol import PROTOCOL_VERSION
 from dask_hoplite.core.relay_rates import REROUTE_OP, RelayRates
 from dask_hoplite.core.shape_choice import choose_parts
+from dask_hoplite.timeouts import wait_for_future
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskState
@@ -235,19 +235,15 @@ class DirectoryService:
         try:
             if self.directory.waits_for_plan(key, receiver):
                 try:
-                    return await wait_for(asyncio.shield(fut), self.config.plan_wait)
+                    return await wait_for_future(fut, self.config.plan_wait, shield=True)
                 except asyncio.TimeoutError:
-                    if fut.done():  # decided in the very turn the wait ran out
-                        return fut.result()
                     logger.debug("%s stops waiting for its planned sender of %r", receiver, key)
                     self._act(self.directory.unplan(key, receiver))
-            return await wait_for(fut, self.config.queue_timeout)
+            # (A decision that comes as the wait runs out is kept: an
+            # assignment must reach its receiver, or its transfer would hold
+            # its sender's slot for good.)
+            return await wait_for_future(fut, self.config.queue_timeout)
         except asyncio.TimeoutError:
-            # The timeout cancels the wait even when the decision came in the
-            # same turn: an assignment must reach its receiver, or its
-            # transfer would hold its sender's slot for good.
-            if fut.done() and not fut.cancelled():
-                return fut.result()
             logger.info("request of %s for %r timed out in the queue", receiver, key)
             self.directory.cancel_request(key, receiver)
             return None

@@ -33,7 +33,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 from dask.typing import Key
-from distributed.utils import wait_for
 
 from dask_hoplite.core.reduce_spec import (
     LatestRuns,
@@ -44,6 +43,7 @@ from dask_hoplite.core.reduce_spec import (
 )
 from dask_hoplite.core.store import ObjectBuffer
 from dask_hoplite.errors import StaleRun
+from dask_hoplite.timeouts import wait_for_future
 from dask_hoplite.worker.context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -84,10 +84,10 @@ class RunningReductions:
             return False
         fut = self._announced.setdefault(key, asyncio.get_running_loop().create_future())
         try:
-            await wait_for(asyncio.shield(fut), self.ctx.config.stall_timeout)
+            await wait_for_future(fut, self.ctx.config.stall_timeout, shield=True)
             return True
         except asyncio.TimeoutError:
-            return fut.done()  # announced in the very turn the wait ran out
+            return False
         finally:
             if self._announced.get(key) is fut and fut.done():
                 del self._announced[key]
@@ -160,7 +160,7 @@ class RunningReductions:
             yield
             while hold:
                 try:
-                    await wait_for(asyncio.shield(done), stall)
+                    await wait_for_future(done, stall, shield=True)
                     break
                 except asyncio.TimeoutError:
                     if alive is None:

@@ -20,6 +20,7 @@ from distributed.protocol import to_serialize
 from distributed.utils import offload, wait_for
 
 from dask_hoplite.core.reduce_spec import reduce_values
+from dask_hoplite.timeouts import wait_for_future
 from dask_hoplite.worker.context import FetchParts, WorkerContext, secede_coroutine
 
 logger = logging.getLogger(__name__)
@@ -59,13 +60,11 @@ class SmallAllreduce:
             waiters = self._waiters.setdefault(key, [])
             waiters.append(fut)
             try:
-                await wait_for(fut, self.ctx.config.stall_timeout)
+                await wait_for_future(fut, self.ctx.config.stall_timeout)
             except asyncio.TimeoutError:
-                # (Woken in the very turn the wait ran out: answer as woken.)
-                if not fut.done() or fut.cancelled():
-                    ts = w.state.tasks.get(key)
-                    pending = ts is not None and ts.state not in ("error", "released", "forgotten")
-                    return {"status": "wait" if pending else "missing"}
+                ts = w.state.tasks.get(key)
+                pending = ts is not None and ts.state not in ("error", "released", "forgotten")
+                return {"status": "wait" if pending else "missing"}
             finally:
                 if fut in waiters:
                     waiters.remove(fut)

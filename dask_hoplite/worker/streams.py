@@ -33,6 +33,7 @@ from dask_hoplite.core.protocol import (
 )
 from dask_hoplite.core.store import BufferState, Layout, ObjectBuffer
 from dask_hoplite.errors import ProtocolError, SenderBusy, StreamStalled, TransferFailed
+from dask_hoplite.timeouts import wait_for_future
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ async def wait_progress(buf: ObjectBuffer, threshold: int, timeout: float) -> No
 
     buf.when(threshold, wake)
     try:
-        await wait_for(fut, timeout)
+        await wait_for_future(fut, timeout)
     except asyncio.TimeoutError:
         raise StreamStalled(
             f"{buf.key!r} made no progress past byte {threshold} for {timeout:g}s"
