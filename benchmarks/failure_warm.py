@@ -143,9 +143,13 @@ for i in range(kills):
           flush=True)
     since = time.time()
     killed, ok = run(ws, 1000 * i + 500, True)
-    events = sorted({e["action"] for t, e in c.get_events("hoplite") if t >= since}
-                    if method == "hoplite" else ())
-    print(json.dumps({"killed": killed, "ok": ok, "events": events}), flush=True)
+    logged = [e for t, e in c.get_events("hoplite") if t >= since] if method == "hoplite" else []
+    events = sorted({e["action"] for e in logged})
+    # Where each spread put the lost input: the node whose worker Dask
+    # recomputed it on (per segment tree, in the trees' order).
+    spreads = sorted((e["rid"], e["merged_into"]) for e in logged if e["action"] == "reduce-spread")
+    print(json.dumps({"killed": killed, "ok": ok, "events": events,
+                      "merged_into": [m for _, m in spreads]}), flush=True)
     if sys.stdin.readline().strip() != "GO":
         break
 """
@@ -163,6 +167,11 @@ class Kill:
     #: The actions of the hoplite events logged during the killed run (what
     #: the kill set off: resumes, repairs, restarts).
     events: tuple[str, ...] = ()
+    #: In a spread repair, the node of each segment tree that took the lost
+    #: input: the one on the worker where Dask recomputed it. Drawn once per
+    #: cluster, and the killed time depends on it, so two codes compare
+    #: alike only on a like draw (or over many clusters).
+    merged_into: tuple[int, ...] = ()
 
     def ratio(self, recomputed: bool) -> float:
         return self.killed / (self.free + (self.compute if recomputed else 0.0))
@@ -262,12 +271,14 @@ def run_warm(
                     killed["killed"],
                     free["free_ok"] and killed["ok"],
                     tuple(killed["events"]),
+                    tuple(killed.get("merged_into", ())),
                 )
             )
             print(
                 f"  {scenario} {method} kill {len(out.kills)}: free {free['free']:.2f}s "
                 f"recompute {free['compute']:.2f}s killed {killed['killed']:.2f}s "
-                f"ratio {out.ratios[-1]:.2f} ok {out.kills[-1].ok} {' '.join(killed['events'])}",
+                f"ratio {out.ratios[-1]:.2f} ok {out.kills[-1].ok} {' '.join(killed['events'])}"
+                + (f" input into {killed['merged_into']}" if killed.get("merged_into") else ""),
                 flush=True,
             )
             _wait_gone(ec, victim)
