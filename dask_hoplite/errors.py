@@ -102,6 +102,13 @@ class SpreadRefused(ValueError):
     neighbours (the tree is restarted instead). Internal to tree repair."""
 
 
+class HandoffFailed(ConnectionError):
+    """No shared region came from a worker's region server
+    (:mod:`dask_hoplite.worker.region_handoff`): it is on another host or in
+    another network namespace, gone, or refused. Internal: the caller fetches
+    the object over the network instead."""
+
+
 class VersionMismatch(RuntimeError):
     """The worker's dask-hoplite differs from the scheduler's."""
 

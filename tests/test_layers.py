@@ -46,6 +46,8 @@ LAYERS: dict[str, list[str]] = {
         "dask_hoplite.worker.accounting",
         "dask_hoplite.worker.timelines",
         "dask_hoplite.worker.prefault",
+        "dask_hoplite.worker.memfd_regions",
+        "dask_hoplite.worker.region_handoff",
     ],
     # What runs a collective or serves one: the scheduler's coordinator and
     # services, the worker's run objects and services, the RPC helpers.

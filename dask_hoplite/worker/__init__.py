@@ -9,6 +9,10 @@
 * :mod:`~dask_hoplite.worker.measuring`: results Dask cannot size, serialised once and
   measured when their task finishes;
 * :mod:`~dask_hoplite.worker.prefault`: receive memory faulted in off the critical path;
+* :mod:`~dask_hoplite.worker.memfd_regions`: an object's bytes in sealed memfd memory that
+  the workers of one host map, each task through a private copy-on-write view (issue 42);
+* :mod:`~dask_hoplite.worker.region_handoff`: such a region handed to another worker of the
+  host over a Unix socket (``SCM_RIGHTS``), not copied (issue 42);
 * :mod:`~dask_hoplite.worker.accounting`: hoplite's transfers in Dask's own bookkeeping;
 * :mod:`~dask_hoplite.worker.progress`: incoming streams' progress, in the heartbeat;
 * :mod:`~dask_hoplite.worker.timelines`: per-key timelines of fetches (``hoplite.timelines``);
