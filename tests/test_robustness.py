@@ -4,7 +4,9 @@ whoever made the mistake, and the cluster keeps running with nothing lost."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -71,6 +73,41 @@ async def test_bad_stream_requests_get_clear_errors_and_the_worker_stays_up(c, s
     assert await c.submit(checksum, x, workers=[b.address]) == float(np.arange(100_000).sum())
     assert b.plugins["hoplite-worker"].stats["keys-received"] == 1
     assert a.plugins["hoplite-worker"].stats["requests-refused"] == len(cases)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)], config=SMALL)
+async def test_a_stream_its_reader_hung_up_on_leaves_nothing_holding_the_object(c, s, a):
+    """A reader that hangs up mid-stream (a receiver that moved to another
+    sender, say) breaks the sender's socket write. The error must not keep
+    the sender's buffer alive in a reference cycle: once Dask releases the
+    key the memory is free, without waiting for the cyclic garbage collector
+    (which is off here), so the next object can reuse it."""
+    await c.register_plugin(Hoplite())
+    x = c.submit(np.ones, 2**22, workers=[a.address], key="x")  # 32 MiB
+    await x
+    store = a.plugins["hoplite-worker"].store
+    stats = a.plugins["hoplite-worker"].stats
+    gc.disable()
+    try:
+        comm = await connect(a.address)
+        await comm.write(request(raw=True, block_bytes=2**20))
+        assert (await comm.read())["status"] == "OK"
+        served = store.get("x")
+        assert served is not None
+        buf = weakref.ref(served)
+        del served
+        comm.abort()  # without reading a byte: the sender is blocked in a write
+        await wait_for(_until(lambda: stats.get("streams-aborted", 0) == 1), 10)
+        del x
+        await wait_for(_until(lambda: "x" not in a.data and store.get("x") is None), 10)
+        assert buf() is None, gc.get_referrers(buf())
+    finally:
+        gc.enable()
+
+
+async def _until(condition):
+    while not condition():
+        await asyncio.sleep(0.01)
 
 
 @gen_cluster(client=True, nthreads=[("", 1)] * 2, config=SMALL)

@@ -42,7 +42,7 @@ from dask_hoplite.core.store import BufferState, ObjectBuffer
 from dask_hoplite.errors import LayoutChanged, SenderBusy, TransferFailed
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import WorkerContext
-from dask_hoplite.worker.streams import pooled_comm, raw_stream, receive_stream
+from dask_hoplite.worker.streams import forget_frames, pooled_comm, raw_stream, receive_stream
 from dask_hoplite.worker.timelines import Timelines
 
 if TYPE_CHECKING:
@@ -394,6 +394,7 @@ class Receiver:
             ctx.count("senders-busy")
             return _BUSY
         except Exception as e:
+            forget_frames(e)
             if tid in self._rerouted:
                 logger.info("%r: dropped the stream from %s at byte %d", key, sender, buf.progress)
                 return self._rerouted[tid]

@@ -26,7 +26,7 @@ from dask_hoplite.core.store import BufferState, ObjectBuffer
 from dask_hoplite.errors import ProtocolError
 from dask_hoplite.worker import accounting
 from dask_hoplite.worker.context import WorkerContext
-from dask_hoplite.worker.streams import send_stream, wait_progress
+from dask_hoplite.worker.streams import forget_frames, send_stream, wait_progress
 
 logger = logging.getLogger(__name__)
 
@@ -154,4 +154,5 @@ class Sender:
             logger.info("hoplite stream of %r to %s ended: %s", req.key, comm.peer_address, e)
             ctx.count("streams-aborted")
             comm.abort()
+            forget_frames(e)
         return Status.dont_reply
