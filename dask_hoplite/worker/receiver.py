@@ -394,9 +394,9 @@ class Receiver:
             ctx.count("senders-busy")
             return _BUSY
         except Exception as e:
-            forget_frames(e)
             if tid in self._rerouted:
                 logger.info("%r: dropped the stream from %s at byte %d", key, sender, buf.progress)
+                forget_frames(e)
                 return self._rerouted[tid]
             logger.warning(
                 "hoplite stream of %r from %s failed at byte %d (%s: %s); resuming elsewhere",
@@ -408,6 +408,7 @@ class Receiver:
                 exc_info=logger.isEnabledFor(logging.DEBUG),
             )
             ctx.count("streams-failed")
+            forget_frames(e)
             return _FAILED
         finally:
             self._comms.pop(tid, None)

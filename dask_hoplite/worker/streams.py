@@ -50,9 +50,10 @@ def raw_stream(comm: Comm) -> IOStream | None:
 
 
 def forget_frames(error: BaseException) -> None:
-    """Clear the local variables of the finished frames ``error`` (and the
-    errors it chains) passed through, for a stream error that is caught and
-    not raised again.
+    """Cut ``error`` (and the errors it chains, tornado's ``real_error``
+    included) from the frames it passed through, clearing their local
+    variables: for a stream error that is caught, logged and not raised
+    again (its traceback is gone afterwards).
 
     A stream that breaks in a socket write leaves a reference cycle: tornado's
     write future holds the error, whose traceback holds the frames it passed
@@ -62,13 +63,25 @@ def forget_frames(error: BaseException) -> None:
     stays mapped after Dask released its key: measured on a LocalCluster, a
     relay whose reader moved to another sender kept its 1 GiB receiving
     region, and the next broadcast there mapped and faulted in a fresh one
-    (4.7 s instead of 1.0 s; ``benchmarks/host_memory.py``)."""
+    (4.7 s instead of 1.0 s; ``benchmarks/host_memory.py``). The socket's own
+    error (tornado's ``StreamClosedError.real_error``) holds tornado's write
+    frame, and the handler that caught the error holds the buffer in its own
+    frame, which the traceback keeps after the handler returned."""
+    todo: list[BaseException] = [error]
     seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)  # the running frames stay as they are
-        e = e.__cause__ or e.__context__
+        # ... and the error no longer refers to them: a running frame (the
+        # handler that caught it) keeps its locals once it has returned.
+        e.__traceback__ = None
+        # Tornado's StreamClosedError carries the socket's error apart.
+        for chained in (e.__cause__, e.__context__, getattr(e, "real_error", None)):
+            if isinstance(chained, BaseException):
+                todo.append(chained)
 
 
 async def _bounded(aw: Any, timeout: float, what: str, peer: str) -> Any:
