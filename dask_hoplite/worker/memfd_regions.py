@@ -50,16 +50,10 @@ def available() -> bool:
     if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
         return False
     try:
-        fd = os.memfd_create("dask-hoplite-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    except OSError:
+        with SharedRegion.create(mmap.PAGESIZE, "dask-hoplite-probe") as probe:
+            probe.seal()
+    except OSError:  # no memfd here, or a kernel without F_SEAL_FUTURE_WRITE
         return False
-    try:
-        os.ftruncate(fd, mmap.PAGESIZE)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    except OSError:  # a kernel without F_SEAL_FUTURE_WRITE
-        return False
-    finally:
-        os.close(fd)
     return True
 
 
