@@ -108,6 +108,9 @@ class HopliteConfig:
     buffer_pool_idle: float
     buffer_pool_spare: bool  # a spare region per size in a burst (core/buffer_pool.py)
     prefault: bool
+    #: Workers of one host map one received copy of a large key
+    #: (``hoplite.host-sharing``, :mod:`dask_hoplite.worker.host_sharing`).
+    host_sharing: bool
     timelines: bool
     timeline_interval: float
     buffer_pool_reserve: int | None  # None: "auto" (core/buffer_pool.auto_reserve)
@@ -202,6 +205,7 @@ class HopliteConfig:
             buffer_pool_idle=_seconds("buffer-pool-idle"),
             buffer_pool_spare=bool(_get("buffer-pool-spare")),
             prefault=bool(_get("prefault")),
+            host_sharing=bool(_get("host-sharing")),
             timelines=bool(_get("timelines")),
             timeline_interval=_seconds("timeline-interval"),
             buffer_pool_reserve=None

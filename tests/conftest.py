@@ -49,10 +49,11 @@ def three_workers(config: dict | None = None):
 
 
 @contextlib.contextmanager
-def process_workers(n: int = 3):
+def process_workers(n: int = 3, config: dict | None = None):
     """``n`` worker processes (a real process boundary, e.g. to kill or stop
     one) with the plugin registered: yields (cluster, client)."""
     with (
+        dask.config.set(config or {}),
         LocalCluster(
             n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,

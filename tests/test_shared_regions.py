@@ -11,16 +11,18 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 
+import msgpack
 import numpy as np
 import pytest
 from distributed.utils_test import gen_test
 
 from dask_hoplite.errors import HandoffFailed
-from dask_hoplite.worker import memfd_regions
+from dask_hoplite.worker import memfd_regions, region_handoff
 from dask_hoplite.worker.memfd_regions import SharedRegion
 from dask_hoplite.worker.region_handoff import RegionServer, fetch_region
 
@@ -263,7 +265,7 @@ async def test_a_process_of_another_user_is_refused():
         pytest.skip("needs root and a system python to run a process as another user")
     region = _filled(1024, "other-user")
     async with RegionServer({"x": region}.get) as server:
-        request = json.dumps({"token": "x"}).encode().hex()
+        request = msgpack.packb({"token": "x"}).hex()
         argv = [python, "-c", RAW_PEER, server.name, request]
         mine = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True)
         assert mine.stdout.split() != ["0", "0"], mine  # the check can fail: this user is served
@@ -275,3 +277,40 @@ async def test_a_process_of_another_user_is_refused():
         assert theirs.stdout.split() == ["0", "0"], theirs
         assert server.handed == 1
     region.close()
+
+
+@gen_test(timeout=60)
+async def test_a_region_still_being_received_is_handed_once_ready(monkeypatch):
+    """The server answers a request for a region not ready yet when it is,
+    saying "waiting" meanwhile: the client waits longer than its timeout as
+    long as those keep coming."""
+    monkeypatch.setattr(region_handoff, "KEEPALIVE", 0.05)
+    region = _filled(1024, "later")
+    ready = asyncio.Event()
+
+    async def lookup(token):
+        await ready.wait()
+        return region if token == "x" else None
+
+    async with RegionServer(lookup) as server:
+        asyncio.get_running_loop().call_later(0.6, ready.set)
+        got = await fetch_region(server.name, "x", timeout=0.2)
+        assert got is not None and got.nbytes == region.nbytes
+        assert np.frombuffer(got.private(), dtype="f8")[-1] == 1023
+        got.close()
+    region.close()
+
+
+@gen_test(timeout=60)
+async def test_a_server_that_stops_answering_fails_the_handoff_after_the_timeout():
+    """A server that accepts and then says nothing (its process stopped, say):
+    the client gives up after ``timeout`` instead of hanging."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    name = f"dask-hoplite-test-silent-{os.getpid()}"
+    sock.bind("\0" + name)
+    sock.listen(1)
+    try:
+        with pytest.raises(HandoffFailed, match="said nothing"):
+            await fetch_region(name, "x", timeout=0.3)
+    finally:
+        sock.close()

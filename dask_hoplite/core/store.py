@@ -446,6 +446,13 @@ class ObjectBuffer:
     def nbytes(self) -> int:
         return self.layout.nbytes if self.layout is not None else 0
 
+    @property
+    def memory(self) -> np.ndarray | None:
+        """The byte array this buffer's bytes are in, as allocated (or
+        swapped in); None for a source buffer and for one that adopted the
+        frames of another."""
+        return self._array
+
     def __repr__(self) -> str:
         return (
             f"<ObjectBuffer {self.key!r} {self.state.value} {self.progress}/"

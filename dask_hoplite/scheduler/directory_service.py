@@ -75,7 +75,9 @@ class DirectoryService:
     ``waiting`` is the map of parked requests, shared with a previous service
     when a newly registered plugin takes over (their decisions still reach them).
     ``hosts`` counts the cluster's hosts (the deepest a chain may become is
-    every other one: the block each stream reads is fitted to it).
+    every other one: the block each stream reads is fitted to it), and
+    ``host_workers(address)`` the worker processes on that address's host
+    (several share one copy of a key, :mod:`dask_hoplite.worker.host_sharing`).
     ``send(worker, msg)`` sends a message on the scheduler's stream to a
     worker, and ``log_event(topic, msg)`` is the scheduler's: with both, a
     relay that lags is rerouted (``hoplite.broadcast.slow-relay``).
@@ -91,6 +93,7 @@ class DirectoryService:
         waiting: Waiting | None = None,
         sizes: MeasuredSizes | None = None,
         hosts: Callable[[], int] = lambda: 1,
+        host_workers: Callable[[str], int] = lambda address: 1,
         send: Callable[[str, dict[str, Any]], None] | None = None,
         log_event: Callable[[str, Any], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -106,6 +109,7 @@ class DirectoryService:
                 config.slow_relay_window, config.slow_relay_ratio, config.slow_relay_min_lag
             )
         self._hosts = hosts
+        self._host_workers = host_workers
         self.network = network
         self.config = config
         self._task = task
@@ -184,6 +188,8 @@ class DirectoryService:
         msg = _decision_msg(decision, nbytes)
         if isinstance(decision, Assign):
             msg["block"] = self._block(nbytes, parts)
+            # More than one: the workers of the host share one copy.
+            msg["host_workers"] = self._host_workers(receiver)
         else:
             msg["gone"] = not self._in_memory(key)
         # Every answer names the holders as they are now: a receiver that

@@ -28,6 +28,7 @@ from dask_hoplite.compat import (
 )
 from dask_hoplite.config import HopliteConfig
 from dask_hoplite.core.directory import ObjectDirectory
+from dask_hoplite.core.hosts import host_of
 from dask_hoplite.core.measured_sizes import MEASURED_OP, MeasuredSizes
 from dask_hoplite.core.network_model import NetworkModel
 from dask_hoplite.core.relay_rates import PROGRESS_OP
@@ -74,6 +75,14 @@ def _send_to_worker(s: Scheduler, worker: str, msg: dict[str, Any]) -> None:
     stream = s.stream_comms.get(worker)
     if stream is not None:
         stream.send(msg)
+
+
+def _worker_processes(s: Scheduler, host: str) -> int:
+    """How many worker processes run on ``host``: workers in one process
+    (``LocalCluster(processes=False)``, tests) share memory already and count
+    once."""
+    addresses = s.host_info.get(host, {}).get("addresses", ())
+    return len({s.workers[a].pid for a in addresses if a in s.workers})
 
 
 def _registry(s: Scheduler, name: str) -> dict[str, Any]:
@@ -193,6 +202,7 @@ class Hoplite(SchedulerPlugin):
             waiting,
             sizes,
             hosts=lambda: len(s.host_info),  # Dask keeps one entry per host with workers
+            host_workers=lambda a: _worker_processes(s, host_of(a)),
             send=send,
             log_event=s.log_event,
         )

@@ -13,6 +13,8 @@
   the workers of one host map, each task through a private copy-on-write view (issue 42);
 * :mod:`~dask_hoplite.worker.region_handoff`: such a region handed to another worker of the
   host over a Unix socket (``SCM_RIGHTS``), not copied (issue 42);
+* :mod:`~dask_hoplite.worker.host_sharing`: one copy per host: large keys received into
+  such regions, and taken from another worker of the host by mapping its region;
 * :mod:`~dask_hoplite.worker.accounting`: hoplite's transfers in Dask's own bookkeeping;
 * :mod:`~dask_hoplite.worker.progress`: incoming streams' progress, in the heartbeat;
 * :mod:`~dask_hoplite.worker.timelines`: per-key timelines of fetches (``hoplite.timelines``);

@@ -38,6 +38,8 @@ from dask_hoplite.worker.timelines import Timelines
 
 if TYPE_CHECKING:
     from distributed.worker_state_machine import SecedeEvent
+
+    from dask_hoplite.worker.host_sharing import HostSharing
 else:  # a name a release dropped turns off its feature, not this import
     SecedeEvent = private("distributed.worker_state_machine", "SecedeEvent")
 
@@ -99,6 +101,9 @@ class WorkerContext:
     #: no rule for their type), by key: those computed here, and those a
     #: task sent here needs (:mod:`dask_hoplite.worker.measuring`).
     measured: dict[Key, int] = dataclasses.field(default_factory=dict)
+    #: One copy per host (``hoplite.host-sharing``); None: off, or this
+    #: platform has no shared regions.
+    sharing: HostSharing | None = None
 
     @property
     def accounting(self) -> bool:
@@ -186,8 +191,10 @@ class WorkerContext:
         # Dask's deserialize mutates headers (it pops collection keys); the
         # layout keeps serving other receivers, so give it a copy.
         header = copy.deepcopy(buf.layout.header)
+        # A buffer in a shared region gives the task a private mapping.
+        frames = buf.frames() if self.sharing is None else self.sharing.task_frames(buf)
         with context_meter.meter("deserialize"):
-            return await offload(deserialize, header, buf.frames())
+            return await offload(deserialize, header, frames)
 
 
 def serialize_for_streams(value: Any) -> tuple[dict[str, Any], list[Any]]:

@@ -72,6 +72,9 @@ class SharedRegion:
         self.name = name
         self._writable = writable
         self.closed = False
+        #: What the holder says of the region's contents (a store's layout
+        #: of the object in it), handed along with it to another worker.
+        self.meta: dict[str, Any] = {}
 
     @classmethod
     def create(cls, nbytes: int, name: str) -> SharedRegion:

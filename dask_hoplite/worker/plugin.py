@@ -47,8 +47,10 @@ from dask_hoplite.features import (
 )
 from dask_hoplite.graph_reductions.worker_takeover import AggregateTakeover
 from dask_hoplite.patching import AttributePatch, ItemPatch
+from dask_hoplite.worker import memfd_regions
 from dask_hoplite.worker.allreduce import Allreduce
 from dask_hoplite.worker.context import PLUGIN_NAME, WorkerContext
+from dask_hoplite.worker.host_sharing import HostSharing
 from dask_hoplite.worker.measuring import SizeMeasuring
 from dask_hoplite.worker.metrics import WORKER_SERIES
 from dask_hoplite.worker.partial_copies import PartialCopies
@@ -109,6 +111,10 @@ class WorkerParts:
         ctx = WorkerContext(worker, BlockStore(pool), config)
         if features is not None:
             ctx.features = features.on
+        if config.host_sharing and memfd_regions.available():
+            ctx.sharing = HostSharing(
+                ctx.store, worker.address, prefaulter.submit if prefaulter else None
+            )
         if config.timelines:
             ctx.timelines = Timelines(interval=config.timeline_interval)
         receiver = Receiver(ctx)
@@ -218,6 +224,16 @@ class HopliteWorker(WorkerPlugin):
         except Exception as e:  # an older scheduler part: it finds out by itself
             logger.warning("could not tell the scheduler the features of %s: %s", worker.address, e)
         parts = self._parts
+        if parts is not None and parts.ctx.sharing is not None:
+            try:
+                await parts.ctx.sharing.start()
+            except OSError as e:
+                logger.warning(
+                    "%s: no region server (%s); this worker keeps copies of its own",
+                    worker.address,
+                    e,
+                )
+                parts.ctx.sharing = None
         # The worker takes no task before its setup returns, and
         # client.register_plugin returns once every worker's has: the
         # reserve of receive memory (hoplite.buffer-pool-reserve) is faulted
@@ -286,6 +302,8 @@ class HopliteWorker(WorkerPlugin):
         if p is None:
             return
         p.ctx.closed = True
+        if p.ctx.sharing is not None:
+            p.ctx.sharing.close()
         if p.prefaulter is not None:
             p.prefaulter.close()
         if DASHBOARD in self.features:

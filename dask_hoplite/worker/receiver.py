@@ -36,6 +36,7 @@ from distributed.worker_state_machine import StateMachineEvent
 
 from dask_hoplite.compat import private
 from dask_hoplite.core.byte_ranges import range_bounds
+from dask_hoplite.core.hosts import host_of
 from dask_hoplite.core.protocol import PROTOCOL_VERSION, StreamRequest
 from dask_hoplite.core.relay_rates import PROGRESS_OP
 from dask_hoplite.core.store import BufferState, ObjectBuffer
@@ -171,6 +172,10 @@ class Receiver:
             buf.resume()  # a copy kept for a resume serves its readers again
             if buf.progress:
                 self.ctx.count("bytes-resumed", buf.progress)  # not fetched again
+            if await self._share(buf, reply, sender, tid):
+                value = await self.ctx.deserialize(buf)
+                self._received(buf, value, [*excluded, sender], start, t_request)
+                return True, value
             nbytes = int(reply.get("nbytes") or 0)
             outcome = await self._stream_from(buf, sender, tid, nbytes, fitted=reply.get("block"))
             if outcome is _RESTART:
@@ -209,6 +214,28 @@ class Receiver:
             self.ctx.event("fallbacks", key=str(key), reason=reason, byte=buf.progress)
         self._give_up(key, buf)
         return False, GONE if gone else None
+
+    async def _share(self, buf: ObjectBuffer, reply: dict[str, Any], sender: str, tid: int) -> bool:
+        """One copy per host, where the directory says this host runs more
+        than one worker: map the region of ``sender``, a worker of this host,
+        and return True; else (no region there, another host) receive into a
+        region of this worker's own, and return False."""
+        sharing = self.ctx.sharing
+        if sharing is None or int(reply.get("host_workers") or 1) < 2:
+            return False
+        if buf.layout is None and host_of(sender) == host_of(self.ctx.address):
+            t0 = time.monotonic()
+            try:
+                ok = await sharing.take(buf, sender, self.ctx.config.stall_timeout)
+            except BaseException:  # cancelled: the transfer is over
+                self._finished(tid, buf.key, False, 0, time.monotonic() - t0)
+                raise
+            if ok:  # no bytes streamed, and none to count in the network model
+                self._finished(tid, buf.key, True, 0, time.monotonic() - t0)
+                self.ctx.count("keys-mapped")
+                return True
+        sharing.receive_into_region(buf)
+        return False
 
     async def _fetch_ranges(
         self, key: Key, buf: ObjectBuffer, reply: dict[str, Any], start: float, t_request: float
@@ -413,18 +440,25 @@ class Receiver:
         finally:
             self._comms.pop(tid, None)
             self._rerouted.pop(tid, None)
-            ctx.send(
-                {
-                    "op": "hoplite-finished",
-                    "transfer_id": tid,
-                    "ok": ok,
-                    "key": key,
-                    "nbytes": n,
-                    "seconds": time.monotonic() - t0,
-                    "latency": w.latency,
-                    "parts": 1 if part is None else part[1],
-                }
-            )
+            self._finished(tid, key, ok, n, time.monotonic() - t0, 1 if part is None else part[1])
+
+    def _finished(
+        self, tid: int, key: Key, ok: bool, nbytes: int, seconds: float, parts: int = 1
+    ) -> None:
+        """Tell the directory that transfer ``tid`` ended, with what it moved
+        (for the network model: ``parts`` ranges shared the NIC)."""
+        self.ctx.send(
+            {
+                "op": "hoplite-finished",
+                "transfer_id": tid,
+                "ok": ok,
+                "key": key,
+                "nbytes": nbytes,
+                "seconds": seconds,
+                "latency": self.ctx.worker.latency,
+                "parts": parts,
+            }
+        )
 
     @contextlib.contextmanager
     def _reporting(

@@ -15,26 +15,35 @@ pages the host already holds.
   worker elsewhere gets :class:`~dask_hoplite.errors.HandoffFailed` and fetches over the network.
 - Only a process of the server's own user is served (``SO_PEERCRED``): the
   socket has no file permissions to guard it.
-- One record per message (``SOCK_SEQPACKET``): a request is a JSON object
-  ``{"token": ...}``, a reply ``{"status": "OK", "nbytes": ..., "name": ...}``
-  with the descriptor attached, or ``{"status": "missing"}``.
+- One record per message (``SOCK_SEQPACKET``, msgpack): a request is
+  ``{"token": ...}``, a reply ``{"status": "OK", "nbytes": ..., "name": ...,
+  "meta": ...}`` with the descriptor attached, or ``{"status": "missing"}``;
+  while the region is not ready, ``{"status": "waiting"}`` every
+  :data:`KEEPALIVE` seconds, so that a client can tell a server that is
+  slow to answer from one that is stopped.
+  ``meta`` is the region's :attr:`~dask_hoplite.worker.memfd_regions.SharedRegion.meta`
+  (the object's layout, for a worker's store), set on the region received.
 
-The server finds regions through the ``lookup`` callable it is given; it knows
-nothing of keys, stores or plugins.
+The server finds regions through the ``lookup`` callable it is given, which
+may answer at once or later (a region still being received is handed out
+once complete); it knows nothing of keys, stores or plugins.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import inspect
 import logging
 import os
 import socket
 import struct
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import msgpack
+from distributed.utils import wait_for
 
 from dask_hoplite.errors import HandoffFailed
 from dask_hoplite.worker.memfd_regions import SharedRegion
@@ -43,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 #: The largest request or reply header, in bytes.
 MAX_MESSAGE = 64 * 1024
+
+#: Seconds between the server's "waiting" messages while a region is not ready.
+KEEPALIVE = 1.0
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -87,7 +99,7 @@ async def _recv(sock: socket.socket, maxfds: int) -> tuple[bytes, list[int]]:
 async def _send(sock: socket.socket, msg: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
     """One record, with ``fds`` attached."""
     loop = asyncio.get_running_loop()
-    data = json.dumps(msg).encode()
+    data = msgpack.packb(msg, use_bin_type=True)
     while True:
         try:
             socket.send_fds(sock, [data], fds)
@@ -99,11 +111,16 @@ async def _send(sock: socket.socket, msg: dict[str, Any], fds: tuple[int, ...] =
 class RegionServer:
     """Serves this worker's shared regions to the workers of its host.
 
-    ``lookup(token)`` returns the region of the object named ``token``, or
-    None when this worker holds no shared region for it. :attr:`name` is what
+    ``lookup(token)`` returns (or returns an awaitable of) the region of the
+    object named ``token``, or None when this worker holds no shared region
+    for it. :attr:`name` is what
     the other workers of the host connect to (announced by the caller)."""
 
-    def __init__(self, lookup: Callable[[str], SharedRegion | None], name: str | None = None):
+    def __init__(
+        self,
+        lookup: Callable[[Any], SharedRegion | None | Awaitable[SharedRegion | None]],
+        name: str | None = None,
+    ):
         self.lookup = lookup
         self.name = name or f"dask-hoplite-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._sock: socket.socket | None = None
@@ -149,8 +166,10 @@ class RegionServer:
                         os.close(fd)
                     if not data:
                         return
-                    token = json.loads(data)["token"]
-                    region = self.lookup(token)
+                    found = self.lookup(_unpack(data)["token"])
+                    region = (
+                        await self._waiting(conn, found) if inspect.isawaitable(found) else found
+                    )
                     if region is None or region.closed:
                         await _send(conn, {"status": "missing"})
                         continue
@@ -160,14 +179,44 @@ class RegionServer:
                     try:
                         await _send(
                             conn,
-                            {"status": "OK", "nbytes": region.nbytes, "name": region.name},
+                            {
+                                "status": "OK",
+                                "nbytes": region.nbytes,
+                                "name": region.name,
+                                "meta": region.meta,
+                            },
                             (fd,),
                         )
                     finally:
                         os.close(fd)
                     self.handed += 1
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
                 logger.debug("a region request on %s failed: %s", self.name, e)
+
+    async def _waiting(
+        self, conn: socket.socket, found: Awaitable[SharedRegion | None]
+    ) -> SharedRegion | None:
+        """What ``found`` gives, telling the client every :data:`KEEPALIVE`
+        seconds that the answer is coming (a client gone cancels it)."""
+        task = asyncio.ensure_future(found)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=KEEPALIVE)
+                if done:
+                    return task.result()
+                await _send(conn, {"status": "waiting"})
+        finally:
+            task.cancel()
+
+    def close_now(self) -> None:
+        """Stop serving at once, from outside a coroutine (a plugin's
+        teardown): the name is free again when this returns."""
+        for t in (self._accepting, *self._serving):
+            if t is not None:
+                t.cancel()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     async def close(self) -> None:
         tasks = [t for t in (self._accepting, *self._serving) if t is not None]
@@ -187,11 +236,12 @@ class RegionServer:
         await self.close()
 
 
-async def fetch_region(server: str, token: str) -> SharedRegion | None:
+async def fetch_region(server: str, token: Any, timeout: float = 60.0) -> SharedRegion | None:
     """The shared region of ``token`` from the :class:`RegionServer` named
-    ``server``: None when that worker holds none. Raises
-    :class:`~dask_hoplite.errors.HandoffFailed` when the server cannot be reached from here (it is
-    on another host, say) or its answer is not a sealed region."""
+    ``server``, once it is ready there: None when that worker holds none.
+    Raises :class:`~dask_hoplite.errors.HandoffFailed` when the server cannot
+    be reached from here (it is on another host, say), says nothing for
+    ``timeout`` seconds (stopped), or its answer is not a sealed region."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with sock:
@@ -199,12 +249,24 @@ async def fetch_region(server: str, token: str) -> SharedRegion | None:
         try:
             await loop.sock_connect(sock, _abstract(server))
             await _send(sock, {"token": token})
-            data, fds = await _recv(sock, 1)
+            while True:
+                data, fds = await wait_for(_recv(sock, 1), timeout)
+                if not data:
+                    raise HandoffFailed(f"{server!r} closed the connection without an answer")
+                try:
+                    reply = _unpack(data)
+                except (ValueError, msgpack.UnpackException) as e:
+                    for fd in fds:
+                        os.close(fd)
+                    raise HandoffFailed(f"{server!r} answered garbage: {e}") from e
+                if reply.get("status") != "waiting":
+                    break
+                for fd in fds:
+                    os.close(fd)
+        except asyncio.TimeoutError as e:
+            raise HandoffFailed(f"{server!r} said nothing for {timeout} s") from e
         except OSError as e:
             raise HandoffFailed(f"no shared region from {server!r}: {e}") from e
-        if not data:
-            raise HandoffFailed(f"{server!r} closed the connection without an answer")
-        reply = json.loads(data)
         if reply.get("status") != "OK" or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
@@ -215,9 +277,17 @@ async def fetch_region(server: str, token: str) -> SharedRegion | None:
             region = SharedRegion.from_fd(fds[0], reply.get("name", ""))
         except (OSError, ValueError) as e:
             raise HandoffFailed(f"{server!r} sent an unusable region: {e}") from e
+        region.meta = reply.get("meta") or {}
         if region.nbytes != reply["nbytes"]:
             region.close()
             raise HandoffFailed(
                 f"{server!r} sent a region of {region.nbytes} bytes, not {reply['nbytes']}"
             )
         return region
+
+
+def _unpack(data: bytes) -> dict[str, Any]:
+    msg = msgpack.unpackb(data, raw=False, use_list=False)
+    if not isinstance(msg, dict):
+        raise ValueError(f"a message must be a map, got {type(msg).__name__}")
+    return msg

@@ -1,0 +1,188 @@
+"""One copy per host (issue 42) on a real cluster of worker processes on this
+machine: the workers that need a large key hold it once, mapped; a task's
+writes stay in its own worker; the pages go when the key does, a killed
+worker included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import psutil
+import pytest
+from conftest import process_workers
+
+from dask_hoplite.worker import memfd_regions
+
+pytestmark = pytest.mark.skipif(
+    not memfd_regions.available(), reason="needs Linux 5.1+ memfds and seals"
+)
+
+N = 8 * 2**20  # float64s: 64 MiB
+S = N * 8
+TAG = "memfd:dask-hoplite"
+#: Replicas stay where client.replicate put them (Dask's Active Memory
+#: Manager would drop the extra ones after a while).
+KEEP_REPLICAS = {"distributed.scheduler.active-memory-manager.start": False}
+
+
+def _shmem() -> int:
+    """The host's shared memory in bytes (``Shmem`` of ``/proc/meminfo``),
+    where memfd pages are counted."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem in /proc/meminfo")
+
+
+def _region_bytes(dask_worker=None) -> dict[str, int]:
+    """This process's mappings of hoplite regions: their RSS and PSS."""
+    rss = pss = 0
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+                inside = TAG in line
+            elif inside and line.startswith("Rss:"):
+                rss += int(line.split()[1]) * 1024
+            elif inside and line.startswith("Pss:"):
+                pss += int(line.split()[1]) * 1024
+    return {"rss": rss, "pss": pss}
+
+
+def _holding(pids) -> list[int]:
+    """Those of ``pids`` that map a hoplite region or hold its descriptor."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                mapped = TAG in f.read()
+            held = any(
+                TAG in os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")
+            )
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if mapped or held:
+            out.append(pid)
+    return out
+
+
+def _stats(dask_worker):
+    return dict(dask_worker.plugins["hoplite-worker"].parts.ctx.stats)
+
+
+def _touch(key, dask_worker):
+    """Read every byte of this worker's copy (faults its pages in)."""
+    return float(dask_worker.data[key].sum())
+
+
+def _cluster_pids() -> list[int]:
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def test_the_workers_of_a_host_hold_one_copy_between_them():
+    """A key replicated from one worker to the three others of its host: one
+    of them receives it, the two others map its pages. All three read it
+    right, and the pages are held once: the regions' PSS over the workers
+    comes to one object, where their RSS counts it in every process."""
+    with process_workers(4, KEEP_REPLICAS) as (cluster, client):
+        src, *others = sorted(client.scheduler_info()["workers"])
+        x = client.submit(np.arange, N, dtype="f8", workers=[src], pure=False)
+        client.replicate(x, workers=others)
+        want = float(np.arange(N, dtype="f8").sum())
+        assert client.run(_touch, x.key, workers=others) == dict.fromkeys(others, want)
+        stats = client.run(_stats, workers=others)
+        assert sorted(s.get("keys-mapped", 0) for s in stats.values()) == [0, 1, 1], stats
+        held = client.run(_region_bytes, workers=[src, *others])
+        assert held[src] == {"rss": 0, "pss": 0}  # the source's is its task's array
+        pss = sum(h["pss"] for h in held.values())
+        rss = sum(h["rss"] for h in held.values())
+        assert 0.95 * S <= pss <= 1.05 * S, held
+        assert rss >= 3 * S, held  # what Dask's memory manager would read
+
+
+def test_a_task_that_writes_into_a_shared_input_changes_only_its_own_copy():
+    """A task writes into its input on the worker that received the key, and
+    one on a worker that mapped it: each gets its own answer, and a task on
+    a third worker of the host then reads the original values."""
+    with process_workers(4, KEEP_REPLICAS) as (cluster, client):
+        src, *others = sorted(client.scheduler_info()["workers"])
+        x = client.submit(np.arange, N, dtype="f8", workers=[src], pure=False)
+        client.replicate(x, workers=others)
+        stats = client.run(_stats, workers=others)
+        receiver = next(w for w in others if not stats[w].get("keys-mapped"))
+        mapper, reader = (w for w in others if w != receiver)
+
+        def write_then_sum(a):
+            a[: N // 2] = -1.0
+            return float(a.sum())
+
+        want_written = -(N // 2) + float(np.arange(N // 2, N, dtype="f8").sum())
+        for w in (receiver, mapper):
+            got = client.submit(write_then_sum, x, workers=[w], pure=False).result()
+            assert got == want_written
+        original = float(np.arange(N, dtype="f8").sum())
+        assert client.submit(np.sum, x, workers=[reader], pure=False).result() == original
+        assert client.run(_touch, x.key, workers=[reader]) == {reader: original}
+
+
+def test_killing_a_holder_and_releasing_the_key_frees_the_hosts_memory():
+    """SIGKILL of the worker that received the key: the others still read
+    it from the pages they map. Once the key is released, no process holds a
+    region, the host's shared memory is back where it was, and nothing is
+    left in /dev/shm."""
+    shm_before = set(os.listdir("/dev/shm"))
+    with process_workers(4, KEEP_REPLICAS) as (cluster, client):
+        src, *others = sorted(client.scheduler_info()["workers"])
+        pids = {n.worker_address: n.process.pid for n in cluster.workers.values()}
+        before = _shmem()
+        x = client.submit(np.arange, N, dtype="f8", workers=[src], pure=False)
+        client.replicate(x, workers=others)
+        want = float(np.arange(N, dtype="f8").sum())
+        assert client.run(_touch, x.key, workers=others) == dict.fromkeys(others, want)
+        assert _shmem() - before >= 0.95 * S  # the region is in shared memory
+        stats = client.run(_stats, workers=others)
+        receiver = next(w for w in others if not stats[w].get("keys-mapped"))
+        os.kill(pids[receiver], signal.SIGKILL)
+        alive = [w for w in others if w != receiver]
+        assert client.run(_touch, x.key, workers=alive) == dict.fromkeys(alive, want)
+        del x
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (
+            _holding(_cluster_pids()) or _shmem() - before > 0.05 * S
+        ):
+            time.sleep(0.1)
+        assert _holding(_cluster_pids()) == []
+        assert _shmem() - before <= 0.05 * S
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_a_partial_copy_completed_from_a_local_recomputation_leaves_its_region():
+    """A key received into a region, part way, then computed on this very
+    worker (its holders died): the buffer adopts the local bytes, and
+    neither its tasks nor the other workers of the host are given the
+    region's half-filled bytes any more."""
+    import asyncio
+
+    from dask_hoplite.core.store import BlockStore, ObjectBuffer
+    from dask_hoplite.worker.context import serialize_for_streams
+    from dask_hoplite.worker.host_sharing import HostSharing
+
+    store = BlockStore()
+    sharing = HostSharing(store, "tcp://127.0.0.1:1")
+    value = np.arange(1024, dtype="f8")
+    header, frames = serialize_for_streams(value)
+    source = ObjectBuffer.from_frames("x", header, frames)
+    buf = store.announce("x")
+    sharing.receive_into_region(buf)
+    buf.allocate(source.layout)
+    buf.write(0, source.view(0, 4096))  # half of it, then its sender died
+    assert sharing.region_of(buf) is not None
+    buf.adopt(source)
+    assert sharing.region_of(buf) is None
+    got = np.frombuffer(b"".join(bytes(f) for f in sharing.task_frames(buf)), dtype="f8")
+    assert np.array_equal(got, value)
+    assert asyncio.run(sharing._lookup("x")) is None
