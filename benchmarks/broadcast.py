@@ -19,6 +19,12 @@ the source host's egress bytes (from its NIC counters) and the CPU share of the
 Dask processes. Needs root and iproute2 (see ``emulation.py``).
 
     sudo python benchmarks/broadcast.py --workers 8 --rate-mbit 1000 --sizes 1MiB 64MiB 256MiB
+
+With ``--workers-per-host K`` each host runs K worker processes, every one but
+the source gets the object, and each host's memory is sampled as well: the sum
+of its workers' PSS (``benchmarks/host_pss.py``), its growth from the moment the
+object exists and its peak over the memory before the cluster's first object
+(issue 42: one copy per host).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from dask.utils import format_bytes, parse_bytes  # noqa: E402
 
 from benchmarks import mpi_peers, timeline  # noqa: E402
 from benchmarks.emulation import EmulatedCluster  # noqa: E402
+from benchmarks.host_pss import HostPeaks  # noqa: E402
 from benchmarks.objects import MAKERS, fingerprint  # noqa: E402
 
 #: The repository, on the workers' import path: tasks name the makers of
@@ -80,6 +87,13 @@ class Result:
     #: What was broadcast (``benchmarks.objects.MAKERS``): "array", or
     #: "wrapped" (a Python object around bytes, which Dask sizes at ~50 bytes).
     obj: str = "array"
+    #: With several workers per host, per repetition: the largest growth of
+    #: any host's memory (the sum of its workers' PSS) from the moment the
+    #: object exists until every consumer has run, and the largest peak of
+    #: any host's over its memory before the cluster's first object (what
+    #: a receive-buffer pool keeps between repetitions shows there), bytes.
+    host_growth: list[int] = field(default_factory=list)
+    host_held: list[int] = field(default_factory=list)
 
     @property
     def ratio_bound(self) -> float:
@@ -133,6 +147,10 @@ def measure(
         roles = [f"w{i}" for i in range(ec.n_workers)]
         host_rx: list[int] = []
         pids = ec.pids()
+        per_host = {r: [p.pid for p in ec.hosts[r].procs] for r in roles}
+        at_start = HostPeaks(per_host).stop().start_pss if ec.workers_per_host > 1 else {}
+        growth: list[int] = []
+        held: list[int] = []
         # Rep 0 is cold (fresh connections, memory faulted in for the first
         # time); the table's `seconds` is the median of the warm reps after it.
         for rep in range(reps + 1):
@@ -143,6 +161,7 @@ def measure(
             rx0 = [ec.nic_bytes(r)[1] for r in roles]
             tcp0 = {r: ec.tcp_counters(r) for r in roles} if timelines else {}
             c0 = cpu_seconds(pids)
+            peaks = HostPeaks(per_host) if at_start else None
             wall0 = time.time()
             t0 = time.perf_counter()
             if method.endswith("replicate"):
@@ -189,6 +208,10 @@ def measure(
                 wait(got)
                 dt = time.perf_counter() - t0
             c1 = cpu_seconds(pids)
+            if peaks is not None:
+                peaks.stop()
+                growth.append(max(peaks.growth().values()))
+                held.append(max(peaks.peak[r] - at_start[r] for r in roles))
             tx1, _ = ec.nic_bytes(src_role)
             host_rx = [ec.nic_bytes(r)[1] - a for r, a in zip(roles, rx0, strict=True)]
             results = client.gather(got)
@@ -230,6 +253,8 @@ def measure(
         ec.workers_per_host,
         host_rx,
         obj,
+        growth,
+        held,
     )
 
 
@@ -332,6 +357,26 @@ def print_table(
         )
 
 
+def print_hosts(results: list[Result]) -> None:
+    """With several workers per host: each method's per-host memory (the
+    largest of any host, in S) and the NIC bytes each receiving host took in
+    the last repetition (the most of any, in S)."""
+    shown = [r for r in results if r.host_growth]
+    if not shown:
+        return
+    print(f"\nper host ({shown[0].workers_per_host} workers each), in S; memory: cold p50 p90 max")
+    for r in shown:
+        g = [x / r.size for x in r.host_growth]
+        h = [x / r.size for x in r.host_held]
+        rx = max(r.host_rx_bytes[1:], default=0) / r.size
+        print(
+            f"{r.op:<18} {format_bytes(r.size):>9}  growth {g[0]:.2f} {quantile(g[1:], 0.5):.2f} "
+            f"{quantile(g[1:], 0.9):.2f} {max(g[1:], default=g[0]):.2f}  over start "
+            f"{h[0]:.2f} {quantile(h[1:], 0.5):.2f} {quantile(h[1:], 0.9):.2f} "
+            f"{max(h[1:], default=h[0]):.2f}  NIC in, most of any host {rx:.2f}"
+        )
+
+
 def plot(results: list[Result], path: str, title: str = "Broadcast") -> None:
     import matplotlib
 
@@ -369,6 +414,7 @@ def print_saved(path: str) -> None:
     with open(path) as f:
         results = [Result(**r) for r in json.load(f)]
     print_table(results)
+    print_hosts(results)
     plot(results, path.removesuffix(".json") + ".png")
 
 
@@ -376,7 +422,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=8, help="hosts")
+    p.add_argument(
+        "--workers-per-host",
+        type=int,
+        default=1,
+        help="worker processes per host (every one but the source's gets the object; "
+        "each host's memory, the sum of its workers' PSS, is sampled)",
+    )
     p.add_argument("--rate-mbit", type=float, default=1000)
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--sizes", nargs="+", default=["1MiB", "64MiB", "256MiB"])
@@ -416,7 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     methods = mpi_peers.select_methods(args.methods, METHODS, MPI_METHODS)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     results: list[Result] = []
-    with EmulatedCluster(args.workers, rate_mbit=args.rate_mbit, mtu=args.mtu) as ec:
+    with EmulatedCluster(
+        args.workers, rate_mbit=args.rate_mbit, mtu=args.mtu, workers_per_host=args.workers_per_host
+    ) as ec:
         ec.enter_namespace("sched")
         for size in [parse_bytes(s) for s in args.sizes]:
             timeout = max(20.0, args.timeout_bounds * size / ec.rate_bytes_per_s)
@@ -429,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(r)
     print()
     print_table(results)
+    print_hosts(results)
     with open(args.out + ".json", "w") as f:
         json.dump([asdict(r) for r in results], f, indent=1)
     plot(results, args.out + ".png")
