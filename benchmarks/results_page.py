@@ -461,6 +461,74 @@ def simulation_table(src: Source = SIMULATION) -> list[str]:
     return out + ["", src.note()]
 
 
+#: One copy per host (issue 42): a LocalCluster run of host_memory.py and the
+#: emulated runs of broadcast.py with several workers per host.
+HOST_MEMORY = Source(
+    "host-memory-w4-1GiB-shared-2026-12-07.json",
+    "python benchmarks/host_memory.py --workers 4 --size 1GiB --reps 10",
+    "a LocalCluster of 4 worker processes on the 2-core VM; a 1 GiB array made on one "
+    "worker, one task that sums it on each of the 3 others; memory: the machine's "
+    "MemTotal - MemAvailable, its growth from the moment the array exists, peak sampled "
+    "every 0.2 s; 2026-12-07",
+)
+HOSTS_EMULATED = (
+    (
+        "4 hosts x 2 workers",
+        "broadcast-4x2-250mbit-2026-12-07.json",
+        "--workers 4 --workers-per-host 2",
+    ),
+    (
+        "2 hosts x 4 workers",
+        "broadcast-2x4-250mbit-2026-12-07.json",
+        "--workers 2 --workers-per-host 4",
+    ),
+)
+
+
+def _q(xs: Sequence[float], q: float) -> float:
+    return p(sorted(xs), q)
+
+
+def host_sharing_table() -> list[str]:
+    """Time and memory with several workers per host, hoplite beside Dask."""
+    out = header(
+        "configuration", "method", "p50", "p90", "max", "cold",
+        "memory growth p50 / max", "NIC in, most of any host",
+    )  # fmt: skip
+    notes = []
+    data = HOST_MEMORY.load()
+    for r in data:
+        warm, cold = warm_and_cold([x["seconds"] for x in r["reps"]])
+        grow = [x["used_peak"] / r["size"] for x in r["reps"][1:]]
+        out.append(
+            f"| LocalCluster, {r['workers']} workers, 1 GiB [1] | {r['method']} "
+            f"| {p(warm, 0.5):.2f} s | {p(warm, 0.9):.2f} s | {warm[-1]:.2f} s | {cold:.2f} s "
+            f"| {_q(grow, 0.5):.2f} S / {max(grow):.2f} S | - |"
+        )
+    notes.append(f"[1] `{HOST_MEMORY.file}`: {HOST_MEMORY.conditions}. `{HOST_MEMORY.command}`")
+    for i, (label, file, args) in enumerate(HOSTS_EMULATED, 2):
+        with open(os.path.join(RESULTS, file)) as f:
+            rows = json.load(f)
+        for r in rows:
+            bound = r["bound_seconds"]
+            warm, cold = warm_and_cold(r["all_seconds"])
+            grow = [x / r["size"] for x in r["host_growth"][1:]]
+            rx = max(r["host_rx_bytes"][1:]) / r["size"]
+            out.append(
+                f"| {label}, 64 MiB, 250 Mbit/s [{i}] | {r['op']} | {_fmt(p(warm, 0.5), bound)} "
+                f"| {_fmt(p(warm, 0.9), bound)} | {_fmt(warm[-1], bound)} | {_fmt(cold, bound)} "
+                f"| {_q(grow, 0.5):.2f} S / {max(grow):.2f} S | {rx:.2f} S |"
+            )
+        notes.append(
+            f"[{i}] `{file}`: every worker but the source gets the object (a consumer task "
+            "pinned to each); memory: the largest growth of any host's workers' PSS from the "
+            "moment the object exists, sampled every 50 ms; 2026-12-07. "
+            f"`python benchmarks/broadcast.py {args} --rate-mbit 250 --sizes 64MiB "
+            "--methods dask hoplite --reps 10`"
+        )
+    return out + [""] + [f"{n}  " if j < len(notes) - 1 else n for j, n in enumerate(notes)]
+
+
 def generated() -> str:
     """The text between the page's markers."""
     lines: list[str] = [BEGIN, ""]
@@ -471,6 +539,8 @@ def generated() -> str:
         lines += [""]
     lines += ["### Applications", ""] + applications_table() + [""]
     lines += ["### Applications against their bound", ""] + application_steps_table() + [""]
+    lines += ["### Several workers per host: one copy per host", ""] + host_sharing_table()
+    lines += [""]
     lines += ["### 1,024 workers, simulated", ""] + simulation_table() + [""]
     lines.append(END)
     return "\n".join(lines)
