@@ -49,13 +49,18 @@ def three_workers(config: dict | None = None):
 
 
 @contextlib.contextmanager
-def process_workers(n: int = 3, config: dict | None = None):
+def process_workers(n: int = 3, config: dict | None = None, **cluster_kwargs):
     """``n`` worker processes (a real process boundary, e.g. to kill or stop
-    one) with the plugin registered: yields (cluster, client)."""
+    one) with the plugin registered: yields (cluster, client). Other keyword
+    arguments go to ``LocalCluster`` (a ``memory_limit``, say)."""
     with (
         dask.config.set(config or {}),
         LocalCluster(
-            n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0"
+            n_workers=n,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            **cluster_kwargs,
         ) as cluster,
         Client(cluster) as c,
     ):

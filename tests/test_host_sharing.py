@@ -186,3 +186,34 @@ def test_a_partial_copy_completed_from_a_local_recomputation_leaves_its_region()
     got = np.frombuffer(b"".join(bytes(f) for f in sharing.task_frames(buf)), dtype="f8")
     assert np.array_equal(got, value)
     assert asyncio.run(sharing._lookup("x")) is None
+
+
+def test_a_shared_copy_does_not_make_dask_pause_or_spill_its_workers():
+    """Memory limits set so that the receiver's RSS, which counts the
+    region's pages once per mapping (its writable one and its task's), is
+    past Dask's pause threshold (80%) and spill threshold (70%): Dask sees
+    the shared pages at their share and pauses and spills nothing. The
+    nanny's terminate threshold, which still reads RSS, is off."""
+    n = 32 * 2**20  # float64s: 256 MiB
+    limit = 640 * 2**20
+    config = {**KEEP_REPLICAS, "distributed.worker.memory.terminate": False}
+    with process_workers(4, config, memory_limit=limit) as (cluster, client):
+        src, *others = sorted(client.scheduler_info()["workers"])
+        x = client.submit(np.arange, n, dtype="f8", workers=[src], pure=False)
+        client.replicate(x, workers=others)
+        want = float(np.arange(n, dtype="f8").sum())
+        assert client.run(_touch, x.key, workers=others) == dict.fromkeys(others, want)
+        stats = client.run(_stats, workers=others)
+        receiver = next(w for w in others if not stats[w].get("keys-mapped"))
+
+        def rss(dask_worker):
+            return psutil.Process().memory_info().rss
+
+        def state(dask_worker):
+            return str(dask_worker.status), len(dask_worker.data.slow)
+
+        time.sleep(1.0)  # ten of the memory monitor's rounds
+        assert client.run(state) == dict.fromkeys([src, *others], ("Status.running", 0))
+        # What Dask's own reading would have been: past the pause threshold.
+        assert client.run(rss, workers=[receiver])[receiver] > 0.8 * limit
+        assert client.run(_touch, x.key, workers=others) == dict.fromkeys(others, want)

@@ -49,6 +49,7 @@ LAYERS: dict[str, list[str]] = {
         "dask_hoplite.worker.memfd_regions",
         "dask_hoplite.worker.region_handoff",
         "dask_hoplite.worker.host_sharing",
+        "dask_hoplite.worker.shared_pages",
     ],
     # What runs a collective or serves one: the scheduler's coordinator and
     # services, the worker's run objects and services, the RPC helpers.

@@ -15,6 +15,8 @@
   host over a Unix socket (``SCM_RIGHTS``), not copied (issue 42);
 * :mod:`~dask_hoplite.worker.host_sharing`: one copy per host: large keys received into
   such regions, and taken from another worker of the host by mapping its region;
+* :mod:`~dask_hoplite.worker.shared_pages`: the worker's memory for Dask's spill and pause,
+  pages shared with the host's other workers counted at their share;
 * :mod:`~dask_hoplite.worker.accounting`: hoplite's transfers in Dask's own bookkeeping;
 * :mod:`~dask_hoplite.worker.progress`: incoming streams' progress, in the heartbeat;
 * :mod:`~dask_hoplite.worker.timelines`: per-key timelines of fetches (``hoplite.timelines``);

@@ -62,6 +62,7 @@ from dask_hoplite.worker.reduce_root import ReduceRoots
 from dask_hoplite.worker.reductions import RunningReductions
 from dask_hoplite.worker.running_tasks import CANCEL_OP, RunningTasks
 from dask_hoplite.worker.sender import Sender
+from dask_hoplite.worker.shared_pages import shared_aware
 from dask_hoplite.worker.small_allreduce import SmallAllreduce
 from dask_hoplite.worker.timelines import Timelines
 
@@ -268,6 +269,15 @@ class HopliteWorker(WorkerPlugin):
             )
         if REPLICATE in features:
             self._patches.append(ItemPatch(worker.handlers, "gather", parts.fetch_paths.gather))
+        monitor = getattr(worker, "monitor", None)
+        if parts.ctx.sharing is not None and monitor is not None:
+            # Pages shared with the host's other workers count at their
+            # share, not once per mapping, when Dask decides to spill or pause.
+            self._patches.append(
+                AttributePatch(
+                    monitor, "get_process_memory", shared_aware(monitor.get_process_memory)
+                )
+            )
         if GRAPH_REDUCTIONS in features:
             self._patches.append(parts.aggregates.install(worker))
         interval = 1000 * min(1.0, parts.ctx.config.buffer_pool_idle)
