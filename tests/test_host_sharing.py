@@ -5,6 +5,7 @@ worker included."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -13,6 +14,7 @@ import numpy as np
 import psutil
 import pytest
 from conftest import process_workers
+from distributed import Future
 
 from dask_hoplite.worker import memfd_regions
 
@@ -83,17 +85,37 @@ def _cluster_pids() -> list[int]:
     return [p.pid for p in psutil.Process().children(recursive=True)]
 
 
+@dataclasses.dataclass
+class Replicated:
+    """An array made on ``src`` and replicated to ``others``: ``receiver``
+    streamed it, the others of them mapped its region. ``want`` is its sum."""
+
+    x: Future
+    src: str
+    others: list[str]
+    receiver: str
+    want: float
+
+
+def _replicate(client, n: int = N) -> Replicated:
+    """``np.arange(n)`` made on the first worker, replicated to the others."""
+    src, *others = sorted(client.scheduler_info()["workers"])
+    x = client.submit(np.arange, n, dtype="f8", workers=[src], pure=False)
+    client.replicate(x, workers=others)
+    stats = client.run(_stats, workers=others)
+    receiver = next(w for w in others if not stats[w].get("keys-mapped"))
+    return Replicated(x, src, others, receiver, float(np.arange(n, dtype="f8").sum()))
+
+
 def test_the_workers_of_a_host_hold_one_copy_between_them():
     """A key replicated from one worker to the three others of its host: one
     of them receives it, the two others map its pages. All three read it
     right, and the pages are held once: the regions' PSS over the workers
     comes to one object, where their RSS counts it in every process."""
     with process_workers(4, KEEP_REPLICAS) as (cluster, client):
-        src, *others = sorted(client.scheduler_info()["workers"])
-        x = client.submit(np.arange, N, dtype="f8", workers=[src], pure=False)
-        client.replicate(x, workers=others)
-        want = float(np.arange(N, dtype="f8").sum())
-        assert client.run(_touch, x.key, workers=others) == dict.fromkeys(others, want)
+        r = _replicate(client)
+        src, others = r.src, r.others
+        assert client.run(_touch, r.x.key, workers=others) == dict.fromkeys(others, r.want)
         stats = client.run(_stats, workers=others)
         assert sorted(s.get("keys-mapped", 0) for s in stats.values()) == [0, 1, 1], stats
         held = client.run(_region_bytes, workers=[src, *others])
@@ -109,12 +131,9 @@ def test_a_task_that_writes_into_a_shared_input_changes_only_its_own_copy():
     one on a worker that mapped it: each gets its own answer, and a task on
     a third worker of the host then reads the original values."""
     with process_workers(4, KEEP_REPLICAS) as (cluster, client):
-        src, *others = sorted(client.scheduler_info()["workers"])
-        x = client.submit(np.arange, N, dtype="f8", workers=[src], pure=False)
-        client.replicate(x, workers=others)
-        stats = client.run(_stats, workers=others)
-        receiver = next(w for w in others if not stats[w].get("keys-mapped"))
-        mapper, reader = (w for w in others if w != receiver)
+        r = _replicate(client)
+        x, receiver = r.x, r.receiver
+        mapper, reader = (w for w in r.others if w != receiver)
 
         def write_then_sum(a):
             a[: N // 2] = -1.0
@@ -124,9 +143,8 @@ def test_a_task_that_writes_into_a_shared_input_changes_only_its_own_copy():
         for w in (receiver, mapper):
             got = client.submit(write_then_sum, x, workers=[w], pure=False).result()
             assert got == want_written
-        original = float(np.arange(N, dtype="f8").sum())
-        assert client.submit(np.sum, x, workers=[reader], pure=False).result() == original
-        assert client.run(_touch, x.key, workers=[reader]) == {reader: original}
+        assert client.submit(np.sum, x, workers=[reader], pure=False).result() == r.want
+        assert client.run(_touch, x.key, workers=[reader]) == {reader: r.want}
 
 
 def test_killing_a_holder_and_releasing_the_key_frees_the_hosts_memory():
@@ -136,20 +154,15 @@ def test_killing_a_holder_and_releasing_the_key_frees_the_hosts_memory():
     left in /dev/shm."""
     shm_before = set(os.listdir("/dev/shm"))
     with process_workers(4, KEEP_REPLICAS) as (cluster, client):
-        src, *others = sorted(client.scheduler_info()["workers"])
         pids = {n.worker_address: n.process.pid for n in cluster.workers.values()}
         before = _shmem()
-        x = client.submit(np.arange, N, dtype="f8", workers=[src], pure=False)
-        client.replicate(x, workers=others)
-        want = float(np.arange(N, dtype="f8").sum())
-        assert client.run(_touch, x.key, workers=others) == dict.fromkeys(others, want)
+        r = _replicate(client)
+        assert client.run(_touch, r.x.key, workers=r.others) == dict.fromkeys(r.others, r.want)
         assert _shmem() - before >= 0.95 * S  # the region is in shared memory
-        stats = client.run(_stats, workers=others)
-        receiver = next(w for w in others if not stats[w].get("keys-mapped"))
-        os.kill(pids[receiver], signal.SIGKILL)
-        alive = [w for w in others if w != receiver]
-        assert client.run(_touch, x.key, workers=alive) == dict.fromkeys(alive, want)
-        del x
+        os.kill(pids[r.receiver], signal.SIGKILL)
+        alive = [w for w in r.others if w != r.receiver]
+        assert client.run(_touch, r.x.key, workers=alive) == dict.fromkeys(alive, r.want)
+        del r
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (
             _holding(_cluster_pids()) or _shmem() - before > 0.05 * S
@@ -198,13 +211,9 @@ def test_a_shared_copy_does_not_make_dask_pause_or_spill_its_workers():
     limit = 640 * 2**20
     config = {**KEEP_REPLICAS, "distributed.worker.memory.terminate": False}
     with process_workers(4, config, memory_limit=limit) as (cluster, client):
-        src, *others = sorted(client.scheduler_info()["workers"])
-        x = client.submit(np.arange, n, dtype="f8", workers=[src], pure=False)
-        client.replicate(x, workers=others)
-        want = float(np.arange(n, dtype="f8").sum())
-        assert client.run(_touch, x.key, workers=others) == dict.fromkeys(others, want)
-        stats = client.run(_stats, workers=others)
-        receiver = next(w for w in others if not stats[w].get("keys-mapped"))
+        r = _replicate(client, n)
+        src, others, receiver = r.src, r.others, r.receiver
+        assert client.run(_touch, r.x.key, workers=others) == dict.fromkeys(others, r.want)
 
         def rss(dask_worker):
             return psutil.Process().memory_info().rss
@@ -216,4 +225,4 @@ def test_a_shared_copy_does_not_make_dask_pause_or_spill_its_workers():
         assert client.run(state) == dict.fromkeys([src, *others], ("Status.running", 0))
         # What Dask's own reading would have been: past the pause threshold.
         assert client.run(rss, workers=[receiver])[receiver] > 0.8 * limit
-        assert client.run(_touch, x.key, workers=others) == dict.fromkeys(others, want)
+        assert client.run(_touch, r.x.key, workers=others) == dict.fromkeys(others, r.want)
