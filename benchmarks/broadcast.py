@@ -94,6 +94,9 @@ class Result:
     #: a receive-buffer pool keeps between repetitions shows there), bytes.
     host_growth: list[int] = field(default_factory=list)
     host_held: list[int] = field(default_factory=list)
+    #: Per repetition, the machine's ``Shmem`` growth (all hosts' shared
+    #: regions, read at once: ``benchmarks/host_pss.py``), bytes.
+    shmem_growth: list[int] = field(default_factory=list)
 
     @property
     def ratio_bound(self) -> float:
@@ -151,6 +154,7 @@ def measure(
         at_start = HostPeaks(per_host).stop().start_pss if ec.workers_per_host > 1 else {}
         growth: list[int] = []
         held: list[int] = []
+        shared: list[int] = []
         # Rep 0 is cold (fresh connections, memory faulted in for the first
         # time); the table's `seconds` is the median of the warm reps after it.
         for rep in range(reps + 1):
@@ -212,6 +216,7 @@ def measure(
                 peaks.stop()
                 growth.append(max(peaks.growth().values()))
                 held.append(max(peaks.peak[r] - at_start[r] for r in roles))
+                shared.append(peaks.shmem_growth())
             tx1, _ = ec.nic_bytes(src_role)
             host_rx = [ec.nic_bytes(r)[1] - a for r, a in zip(roles, rx0, strict=True)]
             results = client.gather(got)
@@ -255,6 +260,7 @@ def measure(
         obj,
         growth,
         held,
+        shared,
     )
 
 
@@ -375,6 +381,13 @@ def print_hosts(results: list[Result]) -> None:
             f"{h[0]:.2f} {quantile(h[1:], 0.5):.2f} {quantile(h[1:], 0.9):.2f} "
             f"{max(h[1:], default=h[0]):.2f}  NIC in, most of any host {rx:.2f}"
         )
+        if r.shmem_growth:
+            sh = [x / r.size for x in r.shmem_growth]
+            print(
+                f"{'':<18} {'':>9}  the machine's Shmem growth (all hosts' regions): "
+                f"{sh[0]:.2f} {quantile(sh[1:], 0.5):.2f} {quantile(sh[1:], 0.9):.2f} "
+                f"{max(sh[1:], default=sh[0]):.2f}"
+            )
 
 
 def plot(results: list[Result], path: str, title: str = "Broadcast") -> None:

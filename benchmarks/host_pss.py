@@ -5,6 +5,13 @@ The emulated hosts share one kernel, so the machine's used memory cannot be
 split by host; PSS counts a page shared by k processes 1/k in each, so the
 sum over a host's workers is what that host holds, shared regions once
 (issue 42: one copy per host).
+
+The sum is read one process after another, so while workers map a region
+(a page's PSS drops as its map count grows) a sample can count a page once in
+a worker read before the new mapping and again, shared, in one read after
+it: a peak over samples can exceed what the host held at any moment. The
+machine's ``Shmem`` (``/proc/meminfo``), where memfd regions are counted,
+is read in one go; :class:`HostPeaks` samples its peak too.
 """
 
 from __future__ import annotations
@@ -12,6 +19,15 @@ from __future__ import annotations
 import threading
 
 import psutil
+
+
+def shmem() -> int:
+    """The machine's shared memory (``Shmem`` of ``/proc/meminfo``), bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def pss(pids: list[int]) -> int:
@@ -40,12 +56,14 @@ class HostPeaks(threading.Thread):
         self.interval = interval
         self.start_pss = {h: pss(p) for h, p in hosts.items()}
         self.peak = dict(self.start_pss)
+        self.start_shmem = self.peak_shmem = shmem()
         self._done = threading.Event()
         self.start()
 
     def sample(self) -> None:
         for h, pids in self.hosts.items():
             self.peak[h] = max(self.peak[h], pss(pids))
+        self.peak_shmem = max(self.peak_shmem, shmem())
 
     def run(self) -> None:
         while not self._done.is_set():
@@ -57,6 +75,10 @@ class HostPeaks(threading.Thread):
         self.join()
         self.sample()
         return self
+
+    def shmem_growth(self) -> int:
+        """The machine's ``Shmem`` peak over its value when sampling started."""
+        return self.peak_shmem - self.start_shmem
 
     def growth(self) -> dict[str, int]:
         """Per host, its peak over its PSS when sampling started."""

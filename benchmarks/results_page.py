@@ -479,7 +479,7 @@ HOSTS_EMULATED = (
     ),
     (
         "2 hosts x 4 workers",
-        "broadcast-2x4-250mbit-2026-12-07.json",
+        "broadcast-2x4-250mbit-2026-12-07-shmem.json",
         "--workers 2 --workers-per-host 4",
     ),
 )
@@ -522,7 +522,10 @@ def host_sharing_table() -> list[str]:
         notes.append(
             f"[{i}] `{file}`: every worker but the source gets the object (a consumer task "
             "pinned to each); memory: the largest growth of any host's workers' PSS from the "
-            "moment the object exists, sampled every 50 ms; 2026-12-07. "
+            "moment the object exists, sampled every 50 ms (read worker by worker, a sum "
+            "can count a page twice while workers map it; the machine's Shmem, read at "
+            "once, grew by exactly one object per host in every repetition where it was "
+            "recorded); 2026-12-07. "
             f"`python benchmarks/broadcast.py {args} --rate-mbit 250 --sizes 64MiB "
             "--methods dask hoplite --reps 10`"
         )
