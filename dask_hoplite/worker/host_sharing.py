@@ -55,13 +55,9 @@ def server_name(address: str) -> str:
     return f"dask-hoplite/{address}"
 
 
-def _token(key: Key) -> Any:
-    return list(key) if isinstance(key, tuple) else key
-
-
 def _key(token: Any) -> Key:
-    """A key back from its token (msgpack turns tuples into lists; the
-    handoff unpacks them as tuples)."""
+    """A key back from the token a request carries (the handoff unpacks
+    msgpack arrays as tuples; a key's tuples nest)."""
     if isinstance(token, (list, tuple)):
         return tuple(_key(t) for t in token)
     return token
@@ -106,9 +102,6 @@ class HostSharing:
             weakref.WeakKeyDictionary()
         )
         self.server = RegionServer(self._lookup, server_name(address))
-        #: Keys taken from another worker's region, and received into one.
-        self.taken = 0
-        self.shared = 0
 
     async def start(self) -> HostSharing:
         await self.server.start()
@@ -133,27 +126,29 @@ class HostSharing:
             return None
         return found[0]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the regions this worker holds open."""
-        return sum(r.nbytes for r, _ in self._regions.values() if not r.closed)
-
     def receive_into_region(self, buf: ObjectBuffer) -> None:
         """Receive ``buf`` (not allocated yet) into a shared region."""
         if buf.layout is None and not isinstance(buf.pool, RegionAllocator):
             buf.pool = RegionAllocator(self, buf)  # type: ignore[assignment]
-            self.shared += 1
 
     def task_frames(self, buf: ObjectBuffer) -> list[memoryview]:
         """The frames a task's object is made of: for a buffer in a region,
         views of a private mapping of it (sealed first, once complete)."""
-        region = self.region_of(buf)
+        region = self._sealed_region(buf)
         if region is None or buf.layout is None:
             return buf.frames()
-        if not region.sealed:
-            region.seal()
         private = region.private()
         return [private[a:b] for a, b in buf.layout.frame_bounds()]
+
+    def _sealed_region(self, buf: ObjectBuffer) -> SharedRegion | None:
+        """The region of ``buf``, complete, sealed (now, the first time it is
+        asked for), or None."""
+        region = self.region_of(buf)
+        if region is None or buf.state is not BufferState.COMPLETE:
+            return None
+        if not region.sealed:
+            region.seal()
+        return region
 
     # ------------------------------------------------------------ handoff
 
@@ -163,7 +158,7 @@ class HostSharing:
         complete now. ``timeout``: seconds without a word from ``sender``'s
         server before giving up on it (a stopped process)."""
         try:
-            region = await fetch_region(server_name(sender), _token(buf.key), timeout)
+            region = await fetch_region(server_name(sender), buf.key, timeout)
         except HandoffFailed as e:
             logger.debug("%r: no region from %s (%s); streaming", buf.key, sender, e)
             return False
@@ -184,7 +179,6 @@ class HostSharing:
         self.attach(buf, region, memory)
         if layout.nbytes:
             buf.advance(layout.nbytes)
-        self.taken += 1
         return True
 
     async def _lookup(self, token: Any) -> SharedRegion | None:
@@ -201,11 +195,9 @@ class HostSharing:
                 await asyncio.sleep(INTERRUPTED_POLL)
                 continue
             await _settled(buf)
-        region = self.region_of(buf)
+        region = self._sealed_region(buf)
         if region is None or buf.layout is None:
             return None
-        if not region.sealed:
-            region.seal()
         region.meta = {"layout": buf.layout.to_msg()}
         return region
 

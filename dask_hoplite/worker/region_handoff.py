@@ -219,15 +219,12 @@ class RegionServer:
             self._sock = None
 
     async def close(self) -> None:
+        """:meth:`close_now`, then wait until the cancelled tasks are over."""
         tasks = [t for t in (self._accepting, *self._serving) if t is not None]
-        for t in tasks:
-            t.cancel()
+        self.close_now()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
 
     async def __aenter__(self) -> RegionServer:
         return await self.start()

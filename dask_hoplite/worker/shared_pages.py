@@ -12,8 +12,10 @@ proportional share instead (``Pss_Shmem``): a page mapped by k processes
 counts 1/k in each, so the workers of a host add up to what the host holds.
 
 Its cost is a walk of the process's page tables (``smaps_rollup``), about
-1 ms per GiB mapped on the 2-core VM the benchmarks run on; the worker plugin
-puts it in place of Dask's reading only where host sharing is on.
+1 ms per GiB mapped on the 2-core VM the benchmarks run on, paid only while
+the process maps shared memory (``RssShmem`` is read first, from
+``/proc/PID/status``); the worker plugin puts it in place of Dask's reading
+only where host sharing is on.
 
 Not covered: the nanny, which reads its worker's RSS itself to terminate it
 at ``distributed.worker.memory.terminate`` (95% of the limit by default).
@@ -44,10 +46,14 @@ def process_memory(pid: int | str = "self") -> int | None:
     (not Linux, or a kernel without ``Pss_Shmem``)."""
     try:
         status = _kib_fields(f"/proc/{pid}/status", ("VmRSS", "RssShmem"))
+        if len(status) != 2:
+            return None
+        if not status["RssShmem"]:  # nothing shared mapped: no page walk
+            return status["VmRSS"]
         rollup = _kib_fields(f"/proc/{pid}/smaps_rollup", ("Pss_Shmem",))
     except (OSError, ValueError):
         return None
-    if len(status) != 2 or not rollup:
+    if not rollup:
         return None
     return status["VmRSS"] - status["RssShmem"] + rollup["Pss_Shmem"]
 
