@@ -226,3 +226,83 @@ def test_a_shared_copy_does_not_make_dask_pause_or_spill_its_workers():
         # What Dask's own reading would have been: past the pause threshold.
         assert client.run(rss, workers=[receiver])[receiver] > 0.8 * limit
         assert client.run(_touch, r.x.key, workers=others) == dict.fromkeys(others, r.want)
+
+
+def _spill(key, dask_worker) -> bool:
+    """Spill ``key`` to this worker's disk, as Dask's memory manager would:
+    True once it is there and out of memory."""
+    data = dask_worker.data
+    while key in data.fast:
+        if data.evict() < 0:
+            return False
+    return key in data.slow
+
+
+def _sum_in_task(client, x, workers) -> dict[str, float]:
+    """``x.sum()`` computed by a task on each of ``workers``."""
+    futs = {w: client.submit(np.sum, x, workers=[w], pure=False) for w in workers}
+    return {w: float(f.result()) for w, f in futs.items()}
+
+
+def test_spilling_a_shared_copy_leaves_the_others_on_the_host_right():
+    """The worker that received the key (its region's creator) and then one
+    that mapped it spill it to disk: every worker of the host still reads
+    the right values, those two from disk, the others from the pages they
+    map; a task that writes into the unspilled input changes nothing else."""
+    with process_workers(4, KEEP_REPLICAS) as (cluster, client):
+        r = _replicate(client)
+        mapper = next(w for w in r.others if w != r.receiver)
+        assert client.run(_spill, r.x.key, workers=[r.receiver]) == {r.receiver: True}
+        rest = [w for w in r.others if w != r.receiver]
+        assert client.run(_touch, r.x.key, workers=rest) == dict.fromkeys(rest, r.want)
+        assert client.run(_spill, r.x.key, workers=[mapper]) == {mapper: True}
+        everyone = [r.src, *r.others]
+        assert _sum_in_task(client, r.x, everyone) == dict.fromkeys(everyone, r.want)
+        assert client.run(_touch, r.x.key, workers=everyone) == dict.fromkeys(everyone, r.want)
+
+
+def test_the_amm_dropping_replicas_leaves_the_last_holders_copy_right():
+    """Dask's Active Memory Manager drops the replicas nobody waits on,
+    those of the region's creator among them or not: the copy it keeps reads
+    right, and tasks on the workers that dropped theirs fetch it again and
+    get the right values."""
+    config = {
+        "distributed.scheduler.active-memory-manager.start": True,
+        "distributed.scheduler.active-memory-manager.interval": "100ms",
+    }
+    with process_workers(4, config) as (cluster, client):
+        src, *others = sorted(client.scheduler_info()["workers"])
+        x = client.submit(np.arange, N, dtype="f8", workers=[src], pure=False)
+        want = float(np.arange(N, dtype="f8").sum())
+        # Tasks on the others make them fetch it; once they have run, the
+        # AMM drops the extra replicas.
+        assert _sum_in_task(client, x, others) == dict.fromkeys(others, want)
+        mapped = sum(s.get("keys-mapped", 0) for s in client.run(_stats, workers=others).values())
+        assert mapped >= 1  # the host's workers shared a copy
+
+        def holders() -> set[str]:
+            return set(client.who_has([x])[x.key])
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(holders()) > 1:
+            time.sleep(0.1)
+        kept = holders()
+        assert len(kept) == 1, kept
+        assert client.run(_touch, x.key, workers=list(kept)) == dict.fromkeys(kept, want)
+        everyone = [src, *others]
+        assert _sum_in_task(client, x, everyone) == dict.fromkeys(everyone, want)
+
+
+def test_retiring_the_worker_that_received_a_shared_copy_leaves_the_others_right():
+    """``retire_workers`` of the worker whose region the others of its host
+    map: it closes gracefully, and the workers that map its pages still read
+    the right values and serve them to new tasks."""
+    with process_workers(4, KEEP_REPLICAS) as (cluster, client):
+        r = _replicate(client)
+        client.retire_workers([r.receiver])
+        alive = [w for w in r.others if w != r.receiver]
+        assert r.receiver not in client.scheduler_info()["workers"]
+        assert client.run(_touch, r.x.key, workers=alive) == dict.fromkeys(alive, r.want)
+        client.retire_workers([r.src])
+        assert set(client.who_has([r.x])[r.x.key]) == set(alive)
+        assert _sum_in_task(client, r.x, alive) == dict.fromkeys(alive, r.want)
