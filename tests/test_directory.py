@@ -339,6 +339,20 @@ def test_a_holder_on_the_receivers_host_is_preferred():
     assert isinstance(c, Assign) and c.sender == "tcp://10.0.0.1:5000"
 
 
+def test_on_its_own_host_a_receiver_gets_a_copy_that_came_through_hoplite():
+    """Of two idle holders on the receiver's host, the one that received the
+    key (on a host whose workers share, its copy is in a region that maps as
+    it is) before the one Dask alone knows of (its task's output), whatever
+    their addresses' order."""
+    d = ObjectDirectory(fanout=1)
+    src, b, c = "tcp://10.0.0.1:4000", "tcp://10.0.0.1:5000", "tcp://10.0.0.1:6000"
+    first = d.request(K, b, holders=[src])
+    assert isinstance(first, Assign) and first.sender == src
+    d.transfer_finished(first.transfer_id, ok=True)
+    later = d.request(K, c, holders=[src, b])
+    assert isinstance(later, Assign) and later.sender == b
+
+
 @pytest.mark.parametrize(
     "address, host",
     [

@@ -85,45 +85,97 @@ def _cluster_pids() -> list[int]:
     return [p.pid for p in psutil.Process().children(recursive=True)]
 
 
+def _no_sharing(dask_worker) -> None:
+    """This worker holds and serves no shared regions (as one whose region
+    server could not start): its peers on the host stream from it."""
+    ctx = dask_worker.plugins["hoplite-worker"].parts.ctx
+    ctx.sharing.close()
+    ctx.sharing = None
+
+
 @dataclasses.dataclass
 class Replicated:
-    """An array made on ``src`` and replicated to ``others``: ``receiver``
-    streamed it, the others of them mapped its region. ``want`` is its sum."""
+    """An array made on ``src`` and replicated to ``others``, who map the
+    region of ``creator``. ``want`` is its sum."""
 
     x: Future
     src: str
     others: list[str]
-    receiver: str
+    #: The worker whose region the host's copies are: ``src``, which copied
+    #: its array into one to hand out, or the one of ``others`` that
+    #: streamed the array into it (``streamed``).
+    creator: str
+    streamed: bool
     want: float
 
+    @property
+    def mappers(self) -> list[str]:
+        """The workers that mapped ``creator``'s region."""
+        return [w for w in self.others if w != self.creator]
 
-def _replicate(client, n: int = N) -> Replicated:
-    """``np.arange(n)`` made on the first worker, replicated to the others."""
+
+def _replicate(client, n: int = N, streamed: bool = False) -> Replicated:
+    """``np.arange(n)`` made on the first worker, replicated to the others.
+    ``streamed``: the first worker does not share, so one of the others
+    streams it into a region of its own and the rest map that."""
     src, *others = sorted(client.scheduler_info()["workers"])
+    if streamed:
+        client.run(_no_sharing, workers=[src])
     x = client.submit(np.arange, n, dtype="f8", workers=[src], pure=False)
     client.replicate(x, workers=others)
     stats = client.run(_stats, workers=others)
-    receiver = next(w for w in others if not stats[w].get("keys-mapped"))
-    return Replicated(x, src, others, receiver, float(np.arange(n, dtype="f8").sum()))
+    mapped = [w for w in others if stats[w].get("keys-mapped")]
+    if streamed:
+        [creator] = [w for w in others if w not in mapped]
+    else:
+        assert mapped == others, stats
+        creator = src
+    return Replicated(x, src, others, creator, streamed, float(np.arange(n, dtype="f8").sum()))
 
 
-def test_the_workers_of_a_host_hold_one_copy_between_them():
-    """A key replicated from one worker to the three others of its host: one
-    of them receives it, the two others map its pages. All three read it
-    right, and the pages are held once: the regions' PSS over the workers
-    comes to one object, where their RSS counts it in every process."""
+@pytest.mark.parametrize("streamed", [False, True], ids=["handed-out", "streamed"])
+def test_the_workers_of_a_host_hold_one_copy_between_them(streamed):
+    """A key replicated from one worker to the three others of its host. The
+    source copies it into a region that all three map, or (``streamed``:
+    the source does not share) one of them receives it into a region and
+    the two others map that. All three read it right, and the pages are held
+    once: the regions' PSS over the workers comes to one object, where their
+    RSS counts it in every process."""
     with process_workers(4, KEEP_REPLICAS) as (cluster, client):
-        r = _replicate(client)
+        r = _replicate(client, streamed=streamed)
         src, others = r.src, r.others
         assert client.run(_touch, r.x.key, workers=others) == dict.fromkeys(others, r.want)
-        stats = client.run(_stats, workers=others)
-        assert sorted(s.get("keys-mapped", 0) for s in stats.values()) == [0, 1, 1], stats
         held = client.run(_region_bytes, workers=[src, *others])
-        assert held[src] == {"rss": 0, "pss": 0}  # the source's is its task's array
+        if streamed:  # the source's copy is its task's array
+            assert held[src] == {"rss": 0, "pss": 0}
         pss = sum(h["pss"] for h in held.values())
         rss = sum(h["rss"] for h in held.values())
         assert 0.95 * S <= pss <= 1.05 * S, held
         assert rss >= 3 * S, held  # what Dask's memory manager would read
+
+
+def test_a_handed_out_copy_is_let_go_by_its_source_and_lives_on_in_its_mappers():
+    """The source lets go of the copy it made to hand out once no worker
+    asks for it any more; the workers that map it still read it, and a
+    fourth worker that needs it later maps theirs (no stream)."""
+    from dask_hoplite.worker import host_sharing
+
+    with process_workers(5, KEEP_REPLICAS) as (cluster, client):
+        workers = sorted(client.scheduler_info()["workers"])
+        src, others, late = workers[0], workers[1:4], workers[4]
+        x = client.submit(np.arange, N, dtype="f8", workers=[src], pure=False)
+        client.replicate(x, workers=others)
+        want = float(np.arange(N, dtype="f8").sum())
+        deadline = time.monotonic() + host_sharing.LINGER + 10
+        while time.monotonic() < deadline and client.run(_region_bytes, workers=[src])[src]["rss"]:
+            time.sleep(0.2)
+        assert client.run(_region_bytes, workers=[src])[src] == {"rss": 0, "pss": 0}
+        assert client.run(_touch, x.key, workers=others) == dict.fromkeys(others, want)
+        client.replicate(x, workers=[*others, late])
+        assert client.run(_stats, workers=[late])[late].get("keys-mapped") == 1
+        assert client.run(_touch, x.key, workers=[late]) == {late: want}
+        held = client.run(_region_bytes, workers=[*others, late])
+        assert 0.95 * S <= sum(h["pss"] for h in held.values()) <= 1.05 * S, held
 
 
 def test_a_task_that_writes_into_a_shared_input_changes_only_its_own_copy():
@@ -131,9 +183,9 @@ def test_a_task_that_writes_into_a_shared_input_changes_only_its_own_copy():
     one on a worker that mapped it: each gets its own answer, and a task on
     a third worker of the host then reads the original values."""
     with process_workers(4, KEEP_REPLICAS) as (cluster, client):
-        r = _replicate(client)
-        x, receiver = r.x, r.receiver
-        mapper, reader = (w for w in r.others if w != receiver)
+        r = _replicate(client, streamed=True)
+        x, receiver = r.x, r.creator
+        mapper, reader = r.mappers
 
         def write_then_sum(a):
             a[: N // 2] = -1.0
@@ -147,20 +199,22 @@ def test_a_task_that_writes_into_a_shared_input_changes_only_its_own_copy():
         assert client.run(_touch, x.key, workers=[reader]) == {reader: r.want}
 
 
-def test_killing_a_holder_and_releasing_the_key_frees_the_hosts_memory():
-    """SIGKILL of the worker that received the key: the others still read
-    it from the pages they map. Once the key is released, no process holds a
-    region, the host's shared memory is back where it was, and nothing is
-    left in /dev/shm."""
+@pytest.mark.parametrize("streamed", [False, True], ids=["handed-out", "streamed"])
+def test_killing_a_holder_and_releasing_the_key_frees_the_hosts_memory(streamed):
+    """SIGKILL of the worker whose region the others map (the source that
+    handed out a copy, or the receiver that streamed it): the others still
+    read it from the pages they map. Once the key is released, no process
+    holds a region, the host's shared memory is back where it was, and
+    nothing is left in /dev/shm."""
     shm_before = set(os.listdir("/dev/shm"))
     with process_workers(4, KEEP_REPLICAS) as (cluster, client):
         pids = {n.worker_address: n.process.pid for n in cluster.workers.values()}
         before = _shmem()
-        r = _replicate(client)
+        r = _replicate(client, streamed=streamed)
         assert client.run(_touch, r.x.key, workers=r.others) == dict.fromkeys(r.others, r.want)
         assert _shmem() - before >= 0.95 * S  # the region is in shared memory
-        os.kill(pids[r.receiver], signal.SIGKILL)
-        alive = [w for w in r.others if w != r.receiver]
+        os.kill(pids[r.creator], signal.SIGKILL)
+        alive = r.mappers
         assert client.run(_touch, r.x.key, workers=alive) == dict.fromkeys(alive, r.want)
         del r
         deadline = time.monotonic() + 30
@@ -177,7 +231,8 @@ def test_a_partial_copy_completed_from_a_local_recomputation_leaves_its_region()
     """A key received into a region, part way, then computed on this very
     worker (its holders died): the buffer adopts the local bytes, and
     neither its tasks nor the other workers of the host are given the
-    region's half-filled bytes any more."""
+    region's half-filled bytes any more (they get a copy of the adopted
+    ones)."""
     import asyncio
 
     from dask_hoplite.core.store import BlockStore, ObjectBuffer
@@ -198,7 +253,17 @@ def test_a_partial_copy_completed_from_a_local_recomputation_leaves_its_region()
     assert sharing.region_of(buf) is None
     got = np.frombuffer(b"".join(bytes(f) for f in sharing.task_frames(buf)), dtype="f8")
     assert np.array_equal(got, value)
-    assert asyncio.run(sharing._lookup("x")) is None
+
+    async def handed_out() -> bytes:
+        region = await sharing._lookup("x")
+        assert region is not None and region.sealed
+        try:
+            return bytes(region.private())
+        finally:
+            sharing.close()
+
+    # What the host's other workers get is a copy of the adopted bytes.
+    assert asyncio.run(handed_out()) == b"".join(bytes(f) for f in frames)
 
 
 def test_a_shared_copy_does_not_make_dask_pause_or_spill_its_workers():
@@ -211,8 +276,8 @@ def test_a_shared_copy_does_not_make_dask_pause_or_spill_its_workers():
     limit = 640 * 2**20
     config = {**KEEP_REPLICAS, "distributed.worker.memory.terminate": False}
     with process_workers(4, config, memory_limit=limit) as (cluster, client):
-        r = _replicate(client, n)
-        src, others, receiver = r.src, r.others, r.receiver
+        r = _replicate(client, n, streamed=True)
+        src, others, receiver = r.src, r.others, r.creator
         assert client.run(_touch, r.x.key, workers=others) == dict.fromkeys(others, r.want)
 
         def rss(dask_worker):
@@ -250,10 +315,10 @@ def test_spilling_a_shared_copy_leaves_the_others_on_the_host_right():
     the right values, those two from disk, the others from the pages they
     map; a task that writes into the unspilled input changes nothing else."""
     with process_workers(4, KEEP_REPLICAS) as (cluster, client):
-        r = _replicate(client)
-        mapper = next(w for w in r.others if w != r.receiver)
-        assert client.run(_spill, r.x.key, workers=[r.receiver]) == {r.receiver: True}
-        rest = [w for w in r.others if w != r.receiver]
+        r = _replicate(client, streamed=True)
+        mapper = r.mappers[0]
+        assert client.run(_spill, r.x.key, workers=[r.creator]) == {r.creator: True}
+        rest = r.mappers
         assert client.run(_touch, r.x.key, workers=rest) == dict.fromkeys(rest, r.want)
         assert client.run(_spill, r.x.key, workers=[mapper]) == {mapper: True}
         everyone = [r.src, *r.others]
@@ -293,16 +358,19 @@ def test_the_amm_dropping_replicas_leaves_the_last_holders_copy_right():
         assert _sum_in_task(client, x, everyone) == dict.fromkeys(everyone, want)
 
 
-def test_retiring_the_worker_that_received_a_shared_copy_leaves_the_others_right():
+@pytest.mark.parametrize("streamed", [False, True], ids=["handed-out", "streamed"])
+def test_retiring_the_worker_whose_region_the_others_map_leaves_them_right(streamed):
     """``retire_workers`` of the worker whose region the others of its host
-    map: it closes gracefully, and the workers that map its pages still read
+    map (the source that handed out a copy, or the receiver that streamed
+    it): it closes gracefully, and the workers that map its pages still read
     the right values and serve them to new tasks."""
     with process_workers(4, KEEP_REPLICAS) as (cluster, client):
-        r = _replicate(client)
-        client.retire_workers([r.receiver])
-        alive = [w for w in r.others if w != r.receiver]
-        assert r.receiver not in client.scheduler_info()["workers"]
+        r = _replicate(client, streamed=streamed)
+        client.retire_workers([r.creator])
+        assert r.creator not in client.scheduler_info()["workers"]
+        alive = r.mappers
         assert client.run(_touch, r.x.key, workers=alive) == dict.fromkeys(alive, r.want)
-        client.retire_workers([r.src])
+        if r.src in client.scheduler_info()["workers"]:
+            client.retire_workers([r.src])
         assert set(client.who_has([r.x])[r.x.key]) == set(alive)
         assert _sum_in_task(client, r.x, alive) == dict.fromkeys(alive, r.want)

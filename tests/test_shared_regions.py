@@ -20,6 +20,8 @@ import msgpack
 import numpy as np
 import pytest
 from distributed.utils_test import gen_test
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dask_hoplite.errors import HandoffFailed
 from dask_hoplite.worker import memfd_regions, region_handoff
@@ -314,3 +316,28 @@ async def test_a_server_that_stops_answering_fails_the_handoff_after_the_timeout
             await fetch_region(name, "x", timeout=0.3)
     finally:
         sock.close()
+
+
+@given(
+    sizes=st.lists(st.integers(0, 300), max_size=6),
+    threads=st.integers(1, 5),
+)
+@settings(max_examples=50, deadline=None)
+def test_copy_frames_lays_the_frames_end_to_end_whatever_the_threads(sizes, threads):
+    """However the frames fall across the threads' stretches (pieces of any
+    size allowed here), the region holds the frames end to end."""
+    rng = np.random.default_rng(sum(sizes) + threads)
+    frames = [memoryview(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in sizes]
+    dest = bytearray(sum(sizes))
+    original = memfd_regions._MIN_PIECE
+    memfd_regions._MIN_PIECE = 1
+    try:
+        memfd_regions.copy_frames(memoryview(dest), frames, threads)
+    finally:
+        memfd_regions._MIN_PIECE = original
+    assert bytes(dest) == b"".join(bytes(f) for f in frames)
+
+
+def test_copy_frames_refuses_a_region_of_another_size():
+    with pytest.raises(ValueError, match="5 bytes of frames for a region of 4"):
+        memfd_regions.copy_frames(memoryview(bytearray(4)), [memoryview(b"hello")])

@@ -485,8 +485,14 @@ class ObjectDirectory:
         local_partial = [t for t in partial if host_of(t.receiver) == host]
         if local_copies or local_partial:
             # The key is on this host already, or on its way in: take it from
-            # there, or wait for it; never across the NIC a second time.
-            return self._pick(rec, receiver, local_copies, local_partial, rec.local_uploads)
+            # there, or wait for it; never across the NIC a second time. A
+            # copy that came through hoplite first: on a host whose workers
+            # share, it is in a region the receiver maps as it is, where a
+            # copy only Dask knows of (its task's output, say) is copied
+            # into one first.
+            return self._pick(
+                rec, receiver, local_copies, local_partial, rec.local_uploads, prefer=rec.complete
+            )
         if rec.siblings:
             spare = self._spare_slot(rec, receiver, list(copies), partial)
             if spare is not None:
@@ -545,16 +551,19 @@ class ObjectDirectory:
         partial: list[Transfer],
         busy: dict[str, int],
         by_host: bool = False,
+        prefer: set[str] | frozenset[str] = frozenset(),
     ) -> Decision:
         """The best sender with capacity left, counted in ``busy`` per sender
-        address (or per sender host if ``by_host``)."""
+        address (or per sender host if ``by_host``): the complete copy with
+        the fewest streams out (of those, one in ``prefer``), else the
+        shallowest partial one."""
 
         def free(a: str) -> bool:
             return busy.get(host_of(a) if by_host else a, 0) < self.fanout
 
         idle = [a for a in copies if free(a)]
         if idle:
-            sender = min(idle, key=lambda a: (rec.uploads.get(a, 0), a))
+            sender = min(idle, key=lambda a: (rec.uploads.get(a, 0), a not in prefer, a))
             return self._start(rec, sender, receiver, depth=1)
         candidates = [t for t in partial if free(t.receiver)]
         if candidates:

@@ -12,8 +12,15 @@ the receiver's host runs more than one worker:
   complete;
 - a receiver given a sender on its own host first asks that sender's server
   (:meth:`HostSharing.take`), which answers once the key is complete there:
-  it maps the region and its buffer is complete at once. A sender without a
-  region, or a handoff that fails, and it streams as before.
+  it maps the region and its buffer is complete at once. A handoff that
+  fails, and it streams as before.
+- a sender that holds the key outside a region (it computed it, or received
+  it before its host ran several workers) copies it into one to hand out
+  (:meth:`HostSharing._handout`): a copy within memory, threads faulting in
+  the fresh pages side by side, where a stream over loopback would cost the
+  same fresh pages plus the socket's copies on both ends. It lets go of that
+  copy :data:`LINGER` seconds after its last handoff; the pages live on in
+  the workers that map them, which hand them on themselves.
 
 Every task sees a private copy-on-write mapping of the region
 (:meth:`HostSharing.task_frames`): a task that writes into its input copies
@@ -32,7 +39,7 @@ import asyncio
 import logging
 import mmap
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -40,7 +47,7 @@ from dask.typing import Key
 
 from dask_hoplite.core.store import BlockStore, BufferState, Layout, ObjectBuffer
 from dask_hoplite.errors import BufferStateError, HandoffFailed, LayoutChanged
-from dask_hoplite.worker.memfd_regions import SharedRegion
+from dask_hoplite.worker.memfd_regions import SharedRegion, copy_frames
 from dask_hoplite.worker.region_handoff import RegionServer, fetch_region
 
 logger = logging.getLogger(__name__)
@@ -48,6 +55,12 @@ logger = logging.getLogger(__name__)
 #: While a buffer whose region is asked for is interrupted (its own stream
 #: resumes from another sender), look again this often.
 INTERRUPTED_POLL = 0.05
+
+#: A copy made to hand out a key held outside a region is let go this many
+#: seconds after its last handoff. Workers that mapped it keep its pages (and
+#: serve them); a worker asking later, which the directory sends to a holder
+#: of the host, finds it still here within this time.
+LINGER = 5.0
 
 
 def server_name(address: str) -> str:
@@ -92,11 +105,19 @@ class HostSharing:
         store: BlockStore,
         address: str,
         prefault: Callable[[mmap.mmap], None] | None = None,
+        source: Callable[[Key], Awaitable[ObjectBuffer | None]] | None = None,
     ) -> None:
         self.store = store
         self.address = address
         #: Populates a fresh writable mapping ahead of the socket, or None.
         self.prefault = prefault
+        #: The buffer to serve a key from when the store has none yet (the
+        #: sender's, which serialises a key Dask holds here), or None.
+        self.source = source
+        #: The copies made to hand out keys held outside a region, by buffer.
+        self._handouts: weakref.WeakKeyDictionary[ObjectBuffer, _Handout] = (
+            weakref.WeakKeyDictionary()
+        )
         #: Each buffer's region, and the array over it the buffer was given.
         self._regions: weakref.WeakKeyDictionary[ObjectBuffer, tuple[SharedRegion, np.ndarray]] = (
             weakref.WeakKeyDictionary()
@@ -109,6 +130,8 @@ class HostSharing:
 
     def close(self) -> None:
         self.server.close_now()
+        for handout in list(self._handouts.values()):
+            handout.close()
 
     # ------------------------------------------------------------ regions
 
@@ -183,10 +206,13 @@ class HostSharing:
 
     async def _lookup(self, token: Any) -> SharedRegion | None:
         """The sealed region of the key named ``token``, once every byte of it
-        is here; None if this worker holds it in no region, or fails to."""
+        is here (a copy made now if it is held outside a region); None if
+        this worker does not hold it, or fails to."""
         key = _key(token)
         while True:
             buf = self.store.get(key)
+            if buf is None and self.source is not None:
+                buf = await self.source(key)
             if buf is None or buf.state is BufferState.FAILED:
                 return None
             if buf.state is BufferState.COMPLETE:
@@ -195,11 +221,77 @@ class HostSharing:
                 await asyncio.sleep(INTERRUPTED_POLL)
                 continue
             await _settled(buf)
-        region = self._sealed_region(buf)
-        if region is None or buf.layout is None:
+        if buf.layout is None:
             return None
-        region.meta = {"layout": buf.layout.to_msg()}
+        region = self._sealed_region(buf)
+        if region is None:
+            region = await self._handout(buf)
+        if region is not None:
+            region.meta = {"layout": buf.layout.to_msg()}
         return region
+
+    async def _handout(self, buf: ObjectBuffer) -> SharedRegion | None:
+        """A sealed copy of complete ``buf`` in a region of its own, made
+        once for every request that comes while it lives; None if it
+        cannot be made."""
+        handout = self._handouts.get(buf)
+        if handout is None or handout.closed:
+            handout = self._handouts[buf] = _Handout(buf)
+            weakref.finalize(buf, handout.close)
+        try:
+            return await handout.region()
+        except (OSError, ValueError, BufferStateError) as e:
+            logger.info("%r: no region copy to hand out (%s); the peer streams", buf.key, e)
+            return None
+
+
+class _Handout:
+    """A copy of one complete buffer in a shared region, made to hand out:
+    made by the first request, shared by the others, closed :data:`LINGER`
+    seconds after the last (or with the buffer)."""
+
+    def __init__(self, buf: ObjectBuffer) -> None:
+        assert buf.layout is not None
+        self.nbytes = buf.layout.nbytes
+        self.closed = False
+        self._made = asyncio.ensure_future(self._make(buf.key, buf.frames()))
+        self._timer: asyncio.TimerHandle | None = None
+
+    @staticmethod
+    async def _make(key: Key, frames: list[memoryview]) -> SharedRegion:
+        region = SharedRegion.create(sum(f.nbytes for f in frames), f"dask-hoplite-{key}"[:200])
+        try:
+            await asyncio.to_thread(copy_frames, region.writable, frames)
+            region.seal()
+        except BaseException:
+            region.close()
+            raise
+        return region
+
+    async def region(self) -> SharedRegion | None:
+        region = await asyncio.shield(self._made)
+        if self.closed:
+            return None
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(LINGER, self.close)
+        return region
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self._made.done():
+            self._made.add_done_callback(_close_made)
+        elif not self._made.cancelled() and self._made.exception() is None:
+            self._made.result().close()
+
+
+def _close_made(made: asyncio.Future[SharedRegion]) -> None:
+    if not made.cancelled() and made.exception() is None:
+        made.result().close()
 
 
 def _settled(buf: ObjectBuffer) -> asyncio.Future[None]:

@@ -112,14 +112,18 @@ class WorkerParts:
         ctx = WorkerContext(worker, BlockStore(pool), config)
         if features is not None:
             ctx.features = features.on
-        if config.host_sharing and memfd_regions.available():
-            ctx.sharing = HostSharing(
-                ctx.store, worker.address, prefaulter.submit if prefaulter else None
-            )
         if config.timelines:
             ctx.timelines = Timelines(interval=config.timeline_interval)
         receiver = Receiver(ctx)
         reductions = RunningReductions(ctx)
+        sender = Sender(ctx, hooks=reductions)
+        if config.host_sharing and memfd_regions.available():
+            ctx.sharing = HostSharing(
+                ctx.store,
+                worker.address,
+                prefaulter.submit if prefaulter else None,
+                source=sender.source,
+            )
         nodes = ReduceNodes(ctx, reductions)
         roots = ReduceRoots(ctx, reductions, nodes)
         return cls(
@@ -128,7 +132,7 @@ class WorkerParts:
             fetch_paths=DaskFetchPaths(ctx, receiver, worker.gather_dep, worker.handlers["gather"]),
             partial_copies=PartialCopies(ctx, receiver.is_fetching),
             measuring=SizeMeasuring(ctx),
-            sender=Sender(ctx, hooks=reductions),
+            sender=sender,
             reductions=reductions,
             nodes=nodes,
             roots=roots,
