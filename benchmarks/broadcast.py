@@ -88,12 +88,16 @@ class Result:
     #: "wrapped" (a Python object around bytes, which Dask sizes at ~50 bytes).
     obj: str = "array"
     #: With several workers per host, per repetition: the largest growth of
-    #: any host's memory (the sum of its workers' PSS) from the moment the
-    #: object exists until every consumer has run, and the largest peak of
-    #: any host's over its memory before the cluster's first object (what
-    #: a receive-buffer pool keeps between repetitions shows there), bytes.
+    #: any host's memory (the sum of its workers' PSS, settled samples:
+    #: ``benchmarks/host_pss.py``) from the moment the object exists until
+    #: every consumer has run, and the largest peak of any host's over its
+    #: memory before the cluster's first object (what a receive-buffer pool
+    #: keeps between repetitions shows there), bytes.
     host_growth: list[int] = field(default_factory=list)
     host_held: list[int] = field(default_factory=list)
+    #: The same growth from every read, settled or not (a read while workers
+    #: map a region can count its pages more than once), bytes.
+    host_growth_raw: list[int] = field(default_factory=list)
     #: Per repetition, the machine's ``Shmem`` growth (all hosts' shared
     #: regions, read at once: ``benchmarks/host_pss.py``), bytes.
     shmem_growth: list[int] = field(default_factory=list)
@@ -154,6 +158,7 @@ def measure(
         at_start = HostPeaks(per_host).stop().start_pss if ec.workers_per_host > 1 else {}
         growth: list[int] = []
         held: list[int] = []
+        growth_raw: list[int] = []
         shared: list[int] = []
         # Rep 0 is cold (fresh connections, memory faulted in for the first
         # time); the table's `seconds` is the median of the warm reps after it.
@@ -215,6 +220,7 @@ def measure(
             if peaks is not None:
                 peaks.stop()
                 growth.append(max(peaks.growth().values()))
+                growth_raw.append(max(peaks.raw_growth().values()))
                 held.append(max(peaks.peak[r] - at_start[r] for r in roles))
                 shared.append(peaks.shmem_growth())
             tx1, _ = ec.nic_bytes(src_role)
@@ -258,9 +264,10 @@ def measure(
         ec.workers_per_host,
         host_rx,
         obj,
-        growth,
-        held,
-        shared,
+        host_growth=growth,
+        host_held=held,
+        host_growth_raw=growth_raw,
+        shmem_growth=shared,
     )
 
 
@@ -381,6 +388,13 @@ def print_hosts(results: list[Result]) -> None:
             f"{h[0]:.2f} {quantile(h[1:], 0.5):.2f} {quantile(h[1:], 0.9):.2f} "
             f"{max(h[1:], default=h[0]):.2f}  NIC in, most of any host {rx:.2f}"
         )
+        if r.host_growth_raw:
+            g = [x / r.size for x in r.host_growth_raw]
+            print(
+                f"{'':<18} {'':>9}  growth from every read, settled or not: "
+                f"{g[0]:.2f} {quantile(g[1:], 0.5):.2f} {quantile(g[1:], 0.9):.2f} "
+                f"{max(g[1:], default=g[0]):.2f}"
+            )
         if r.shmem_growth:
             sh = [x / r.size for x in r.shmem_growth]
             print(

@@ -464,7 +464,7 @@ def simulation_table(src: Source = SIMULATION) -> list[str]:
 #: One copy per host (issue 42): a LocalCluster run of host_memory.py and the
 #: emulated runs of broadcast.py with several workers per host.
 HOST_MEMORY = Source(
-    "host-memory-w4-1GiB-shared-2026-12-07.json",
+    "host-memory-w4-1GiB-handout-2026-12-07.json",
     "python benchmarks/host_memory.py --workers 4 --size 1GiB --reps 10",
     "a LocalCluster of 4 worker processes on the 2-core VM; a 1 GiB array made on one "
     "worker, one task that sums it on each of the 3 others; memory: the machine's "
@@ -474,12 +474,12 @@ HOST_MEMORY = Source(
 HOSTS_EMULATED = (
     (
         "4 hosts x 2 workers",
-        "broadcast-4x2-250mbit-2026-12-07.json",
+        "broadcast-4x2-250mbit-handout-2026-12-07.json",
         "--workers 4 --workers-per-host 2",
     ),
     (
         "2 hosts x 4 workers",
-        "broadcast-2x4-250mbit-2026-12-07-shmem.json",
+        "broadcast-2x4-250mbit-handout-2026-12-07.json",
         "--workers 2 --workers-per-host 4",
     ),
 )
@@ -522,10 +522,10 @@ def host_sharing_table() -> list[str]:
         notes.append(
             f"[{i}] `{file}`: every worker but the source gets the object (a consumer task "
             "pinned to each); memory: the largest growth of any host's workers' PSS from the "
-            "moment the object exists, sampled every 50 ms (read worker by worker, a sum "
-            "can count a page twice while workers map it; the machine's Shmem, read at "
-            "once, grew by exactly one object per host in every repetition where it was "
-            "recorded); 2026-12-07. "
+            "moment the object exists, sampled every 50 ms, a sample counted when two reads "
+            "of every worker in a row agree (a read while workers map a region can count "
+            "its pages twice; the machine's Shmem, read at once, grew by exactly one "
+            "object per host in every repetition); 2026-12-07. "
             f"`python benchmarks/broadcast.py {args} --rate-mbit 250 --sizes 64MiB "
             "--methods dask hoplite --reps 10`"
         )
