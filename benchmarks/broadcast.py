@@ -370,6 +370,16 @@ def print_table(
         )
 
 
+def _in_s(values: list[int], size: int) -> str:
+    """Per-repetition bytes as "cold p50 p90 max" of the warm ones, in S."""
+    xs = [x / size for x in values]
+    warm = xs[1:]
+    return (
+        f"{xs[0]:.2f} {quantile(warm, 0.5):.2f} {quantile(warm, 0.9):.2f} "
+        f"{max(warm, default=xs[0]):.2f}"
+    )
+
+
 def print_hosts(results: list[Result]) -> None:
     """With several workers per host: each method's per-host memory (the
     largest of any host, in S) and the NIC bytes each receiving host took in
@@ -379,28 +389,20 @@ def print_hosts(results: list[Result]) -> None:
         return
     print(f"\nper host ({shown[0].workers_per_host} workers each), in S; memory: cold p50 p90 max")
     for r in shown:
-        g = [x / r.size for x in r.host_growth]
-        h = [x / r.size for x in r.host_held]
         rx = max(r.host_rx_bytes[1:], default=0) / r.size
         print(
-            f"{r.op:<18} {format_bytes(r.size):>9}  growth {g[0]:.2f} {quantile(g[1:], 0.5):.2f} "
-            f"{quantile(g[1:], 0.9):.2f} {max(g[1:], default=g[0]):.2f}  over start "
-            f"{h[0]:.2f} {quantile(h[1:], 0.5):.2f} {quantile(h[1:], 0.9):.2f} "
-            f"{max(h[1:], default=h[0]):.2f}  NIC in, most of any host {rx:.2f}"
+            f"{r.op:<18} {format_bytes(r.size):>9}  growth {_in_s(r.host_growth, r.size)}  "
+            f"over start {_in_s(r.host_held, r.size)}  NIC in, most of any host {rx:.2f}"
         )
         if r.host_growth_raw:
-            g = [x / r.size for x in r.host_growth_raw]
             print(
                 f"{'':<18} {'':>9}  growth from every read, settled or not: "
-                f"{g[0]:.2f} {quantile(g[1:], 0.5):.2f} {quantile(g[1:], 0.9):.2f} "
-                f"{max(g[1:], default=g[0]):.2f}"
+                f"{_in_s(r.host_growth_raw, r.size)}"
             )
         if r.shmem_growth:
-            sh = [x / r.size for x in r.shmem_growth]
             print(
                 f"{'':<18} {'':>9}  the machine's Shmem growth (all hosts' regions): "
-                f"{sh[0]:.2f} {quantile(sh[1:], 0.5):.2f} {quantile(sh[1:], 0.9):.2f} "
-                f"{max(sh[1:], default=sh[0]):.2f}"
+                f"{_in_s(r.shmem_growth, r.size)}"
             )
 
 
