@@ -91,8 +91,8 @@ class RegionAllocator:
         region = SharedRegion.create(nbytes, f"dask-hoplite-{buf.key}"[:200])
         memory = np.frombuffer(region.writable, dtype=np.uint8)
         self._sharing.attach(buf, region, memory)
-        if nbytes and self._sharing.prefault is not None:
-            self._sharing.prefault(region._writable)  # type: ignore[arg-type]
+        if region.mapping is not None and self._sharing.prefault is not None:
+            self._sharing.prefault(region.mapping)
         return memory
 
 

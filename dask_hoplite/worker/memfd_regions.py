@@ -180,6 +180,12 @@ class SharedRegion:
         return memoryview(self._writable)
 
     @property
+    def mapping(self) -> mmap.mmap | None:
+        """The writable shared mapping itself (to populate it ahead of the
+        writes, say), or None in a worker that did not create the region."""
+        return self._writable
+
+    @property
     def sealed(self) -> bool:
         return fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & SEALS == SEALS
 
