@@ -266,16 +266,16 @@ def test_a_partial_copy_completed_from_a_local_recomputation_leaves_its_region()
     assert asyncio.run(handed_out()) == b"".join(bytes(f) for f in frames)
 
 
-def test_a_shared_copy_does_not_make_dask_pause_or_spill_its_workers():
+def test_a_shared_copy_does_not_make_dask_pause_spill_or_restart_its_workers():
     """Memory limits set so that the receiver's RSS, which counts the
     region's pages once per mapping (its writable one and its task's), is
-    past Dask's pause threshold (80%) and spill threshold (70%): Dask sees
-    the shared pages at their share and pauses and spills nothing. The
-    nanny's terminate threshold, which still reads RSS, is off."""
-    n = 32 * 2**20  # float64s: 256 MiB
-    limit = 640 * 2**20
-    config = {**KEEP_REPLICAS, "distributed.worker.memory.terminate": False}
-    with process_workers(4, config, memory_limit=limit) as (cluster, client):
+    past Dask's terminate (95%), pause (80%) and spill (70%) thresholds: Dask
+    and the nannies see the shared pages at their share, and pause, spill
+    and restart nothing."""
+    n = 64 * 2**20  # float64s: 512 MiB
+    limit = 1100 * 2**20
+    with process_workers(4, KEEP_REPLICAS, memory_limit=limit) as (cluster, client):
+        pids = client.run(os.getpid)
         r = _replicate(client, n, streamed=True)
         src, others, receiver = r.src, r.others, r.creator
         assert client.run(_touch, r.x.key, workers=others) == dict.fromkeys(others, r.want)
@@ -286,10 +286,12 @@ def test_a_shared_copy_does_not_make_dask_pause_or_spill_its_workers():
         def state(dask_worker):
             return str(dask_worker.status), len(dask_worker.data.slow)
 
-        time.sleep(1.0)  # ten of the memory monitor's rounds
+        time.sleep(1.0)  # ten of the memory monitors' rounds
         assert client.run(state) == dict.fromkeys([src, *others], ("Status.running", 0))
-        # What Dask's own reading would have been: past the pause threshold.
-        assert client.run(rss, workers=[receiver])[receiver] > 0.8 * limit
+        # What Dask's own reading would have been: past the terminate threshold.
+        assert client.run(rss, workers=[receiver])[receiver] > 0.95 * limit
+        assert client.run(os.getpid) == pids  # no worker restarted
+        assert not [e for _, e in client.get_events("worker-restart-memory")]
         assert client.run(_touch, r.x.key, workers=others) == dict.fromkeys(others, r.want)
 
 
@@ -374,3 +376,21 @@ def test_retiring_the_worker_whose_region_the_others_map_leaves_them_right(strea
             client.retire_workers([r.src])
         assert set(client.who_has([r.x])[r.x.key]) == set(alive)
         assert _sum_in_task(client, r.x, alive) == dict.fromkeys(alive, r.want)
+
+
+def test_the_nannies_get_dasks_own_memory_check_back_when_the_part_is_removed():
+    """With host sharing on, every nanny's memory monitor goes through
+    hoplite's gate; unregistering the nanny part puts Dask's own back."""
+    from dask_hoplite.worker.nanny_memory import MONITOR, HopliteNanny, gated_monitor
+
+    def monitor(dask_worker) -> str:
+        pc = dask_worker.periodic_callbacks[MONITOR]
+        func = getattr(pc.callback, "func", pc.callback)
+        running = "running" if pc.is_running() else "stopped"
+        return f"{getattr(func, '__name__', func)} {running}"
+
+    with process_workers(2, memory_limit=2**30) as (cluster, client):
+        gated = f"{gated_monitor.__name__} running"
+        assert set(client.run(monitor, nanny=True).values()) == {gated}
+        client.unregister_worker_plugin(HopliteNanny.name, nanny=True)
+        assert set(client.run(monitor, nanny=True).values()) == {"memory_monitor running"}

@@ -50,6 +50,7 @@ LAYERS: dict[str, list[str]] = {
         "dask_hoplite.worker.region_handoff",
         "dask_hoplite.worker.host_sharing",
         "dask_hoplite.worker.shared_pages",
+        "dask_hoplite.worker.nanny_memory",
     ],
     # What runs a collective or serves one: the scheduler's coordinator and
     # services, the worker's run objects and services, the RPC helpers.

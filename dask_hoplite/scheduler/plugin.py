@@ -62,6 +62,7 @@ from dask_hoplite.scheduler.replicate import ReplicateOverride
 from dask_hoplite.scheduler.spares_used import SparesUsed
 from dask_hoplite.scheduler_calls import METADATA_KEY, SCHEDULER_PART_KEY
 from dask_hoplite.worker.context import PLUGIN_NAME
+from dask_hoplite.worker.nanny_memory import HopliteNanny
 from dask_hoplite.worker.plugin import HopliteWorker
 
 if TYPE_CHECKING:
@@ -162,6 +163,8 @@ class Hoplite(SchedulerPlugin):
         self.scheduler = scheduler
         self._install(scheduler)
         await self._register_worker_part(scheduler)
+        if config.host_sharing:
+            await self._register_nanny_part(scheduler)
         logger.info("hoplite %s installed (fanout %d)", __version__, config.fanout)
 
     async def close(self) -> None:
@@ -331,6 +334,24 @@ class Hoplite(SchedulerPlugin):
                 ", ".join(f"{a}: {r.get('exception_text') or r}" for a, r in failed.items()),
             )
         self._publish()
+
+    async def _register_nanny_part(self, scheduler: Scheduler) -> None:
+        """The nannies' terminate threshold reads shared pages at their share
+        (:mod:`dask_hoplite.worker.nanny_memory`); a nanny that fails to take
+        it keeps Dask's reading."""
+        try:
+            responses = await scheduler.register_nanny_plugin(
+                None, dumps(HopliteNanny()), name=HopliteNanny.name, idempotent=False
+            )
+        except Exception as e:
+            logger.warning("could not register dask-hoplite's nanny part: %s", e)
+            return
+        failed = {a: r for a, r in responses.items() if r.get("status") != "OK"}
+        if failed:
+            logger.warning(
+                "dask-hoplite's nanny part did not start on %s; their nannies read RSS",
+                ", ".join(f"{a}: {r.get('exception_text') or r}" for a, r in failed.items()),
+            )
 
     # -------------------------------------------------------- Dask's own events
 

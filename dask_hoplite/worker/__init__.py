@@ -17,6 +17,8 @@
   such regions, and taken from another worker of the host by mapping its region;
 * :mod:`~dask_hoplite.worker.shared_pages`: the worker's memory for Dask's spill and pause,
   pages shared with the host's other workers counted at their share;
+* :mod:`~dask_hoplite.worker.nanny_memory`: the same reading for the nanny's terminate
+  threshold (a nanny plugin);
 * :mod:`~dask_hoplite.worker.accounting`: hoplite's transfers in Dask's own bookkeeping;
 * :mod:`~dask_hoplite.worker.progress`: incoming streams' progress, in the heartbeat;
 * :mod:`~dask_hoplite.worker.timelines`: per-key timelines of fetches (``hoplite.timelines``);

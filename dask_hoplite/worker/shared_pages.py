@@ -17,8 +17,9 @@ the process maps shared memory (``RssShmem`` is read first, from
 ``/proc/PID/status``); the worker plugin puts it in place of Dask's reading
 only where host sharing is on.
 
-Not covered: the nanny, which reads its worker's RSS itself to terminate it
-at ``distributed.worker.memory.terminate`` (95% of the limit by default).
+The nanny, which reads its worker's RSS itself to terminate it at
+``distributed.worker.memory.terminate`` (95% of the limit by default), reads
+it through :mod:`dask_hoplite.worker.nanny_memory`.
 """
 
 from __future__ import annotations
