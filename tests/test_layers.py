@@ -42,6 +42,7 @@ LAYERS: dict[str, list[str]] = {
         "dask_hoplite.worker.streams",
         "dask_hoplite.worker.sender",
         "dask_hoplite.worker.receiver",
+        "dask_hoplite.worker.fetch_paths",
         "dask_hoplite.worker.context",
         "dask_hoplite.worker.accounting",
         "dask_hoplite.worker.timelines",

@@ -2,7 +2,8 @@
 
 * :mod:`~dask_hoplite.worker.plugin`: the ``WorkerPlugin`` (lifecycle, handler table, routing);
 * :mod:`~dask_hoplite.worker.context`: what the components share;
-* :mod:`~dask_hoplite.worker.receiver`: fetch with resume, and Dask's fetch paths over it;
+* :mod:`~dask_hoplite.worker.receiver`: fetch with resume;
+* :mod:`~dask_hoplite.worker.fetch_paths`: Dask's fetch paths (``gather_dep``, ``gather``) over it;
 * :mod:`~dask_hoplite.worker.sender`: the ``hoplite_stream`` peer handler;
 * :mod:`~dask_hoplite.worker.streams`: the sender and receiver loops over ``distributed.comm``;
 * :mod:`~dask_hoplite.worker.partial_copies`: a copy's fate when Dask's state of its key changes;

@@ -68,6 +68,11 @@ def server_name(address: str) -> str:
     return f"dask-hoplite/{address}"
 
 
+def _region_name(key: Key) -> str:
+    """The name a region of ``key`` shows in ``/proc/<pid>/maps``."""
+    return f"dask-hoplite-{key}"[:200]
+
+
 def _key(token: Any) -> Key:
     """A key back from the token a request carries (the handoff unpacks
     msgpack arrays as tuples; a key's tuples nest)."""
@@ -88,7 +93,7 @@ class RegionAllocator:
         buf = self._buf()
         if buf is None:
             raise BufferStateError("a shared region was asked for a buffer that is gone")
-        region = SharedRegion.create(nbytes, f"dask-hoplite-{buf.key}"[:200])
+        region = SharedRegion.create(nbytes, _region_name(buf.key))
         memory = np.frombuffer(region.writable, dtype=np.uint8)
         self._sharing.attach(buf, region, memory)
         if region.mapping is not None and self._sharing.prefault is not None:
@@ -251,15 +256,13 @@ class _Handout:
     seconds after the last (or with the buffer)."""
 
     def __init__(self, buf: ObjectBuffer) -> None:
-        assert buf.layout is not None
-        self.nbytes = buf.layout.nbytes
         self.closed = False
         self._made = asyncio.ensure_future(self._make(buf.key, buf.frames()))
         self._timer: asyncio.TimerHandle | None = None
 
     @staticmethod
     async def _make(key: Key, frames: list[memoryview]) -> SharedRegion:
-        region = SharedRegion.create(sum(f.nbytes for f in frames), f"dask-hoplite-{key}"[:200])
+        region = SharedRegion.create(sum(f.nbytes for f in frames), _region_name(key))
         try:
             await asyncio.to_thread(copy_frames, region.writable, frames)
             region.seal()
@@ -283,13 +286,14 @@ class _Handout:
         self.closed = True
         if self._timer is not None:
             self._timer.cancel()
-        if not self._made.done():
+        if self._made.done():
+            _close_made(self._made)
+        else:
             self._made.add_done_callback(_close_made)
-        elif not self._made.cancelled() and self._made.exception() is None:
-            self._made.result().close()
 
 
 def _close_made(made: asyncio.Future[SharedRegion]) -> None:
+    """Close the region ``made`` made, if it made one."""
     if not made.cancelled() and made.exception() is None:
         made.result().close()
 

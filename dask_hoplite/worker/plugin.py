@@ -50,13 +50,14 @@ from dask_hoplite.patching import AttributePatch, ItemPatch
 from dask_hoplite.worker import memfd_regions
 from dask_hoplite.worker.allreduce import Allreduce
 from dask_hoplite.worker.context import PLUGIN_NAME, WorkerContext
+from dask_hoplite.worker.fetch_paths import DaskFetchPaths
 from dask_hoplite.worker.host_sharing import HostSharing
 from dask_hoplite.worker.measuring import SizeMeasuring
 from dask_hoplite.worker.metrics import WORKER_SERIES
 from dask_hoplite.worker.partial_copies import PartialCopies
 from dask_hoplite.worker.prefault import Prefaulter
 from dask_hoplite.worker.progress import METRIC, ProgressReport
-from dask_hoplite.worker.receiver import DaskFetchPaths, Receiver
+from dask_hoplite.worker.receiver import Receiver
 from dask_hoplite.worker.reduce_node import ReduceNodes
 from dask_hoplite.worker.reduce_root import ReduceRoots
 from dask_hoplite.worker.reductions import RunningReductions
